@@ -1,0 +1,193 @@
+"""The objective against a slow reference written straight from the paper's equations 4-7."""
+
+import itertools
+
+import pytest
+import torch
+
+from trainer.objectives import DeFragLoss, fragment_labels, pair_scores
+
+
+def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth):
+    """Eq. 6 with explicit loops."""
+    rows = []
+    for k in range(num_images):
+        g_k = [i for i in range(len(v)) if v_owner[i] == k]
+        row = []
+        for l in range(num_sentences):
+            g_l = [j for j in range(len(s)) if s_owner[j] == l]
+            total = sum((torch.relu(v[i] @ s[j]) for i in g_k for j in g_l), v.new_zeros(()))
+            denom = max(len(g_k), 1) * (len(g_l) + smooth)
+            row.append(total / denom if denom > 0 else total * 0)
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smooth=5.0,
+                   mil=True, balance=True, use_fragment=True, use_global=True):
+    """C = C_F + beta C_G exactly as DESIGN.md section 3 states it, one scalar at a time."""
+    B = len(image_key)
+    F = [[v[i] @ s[j] for j in range(len(s))] for i in range(len(v))]
+    labels = {}  # (i, j) -> +1 / -1 for the included fragment pairs
+    for j in range(len(s)):
+        bag = [i for i in range(len(v)) if v_owner[i] == s_owner[j]]
+        for i in range(len(v)):
+            if image_key[v_owner[i]] != image_key[s_owner[j]]:
+                labels[i, j] = -1
+            elif v_owner[i] == s_owner[j]:
+                labels[i, j] = (1 if F[i][j].item() > 0 else -1) if mil else 1
+        if mil and bag and all(labels[i, j] == -1 for i in bag):
+            best = max(bag, key=lambda i: (F[i][j].item(), -i))  # first index on ties
+            labels[best, j] = 1
+    positives = [(i, j) for (i, j), y in labels.items() if y == 1]
+    negatives = [(i, j) for (i, j), y in labels.items() if y == -1]
+    fragment = v.new_zeros(())
+    for group in (positives, negatives):
+        weight = (1.0 / len(group) if group else 0.0) if balance else 1.0
+        for i, j in group:
+            fragment = fragment + weight * torch.relu(1 - labels[i, j] * F[i][j])
+
+    S = reference_pair_scores(v, v_owner, s, s_owner, B, B, smooth)
+    ranking = v.new_zeros(())
+    for k in range(B):
+        for l in range(B):
+            if image_key[l] != image_key[k]:
+                ranking = ranking + torch.relu(S[k, l] - S[k, k] + margin)
+                ranking = ranking + torch.relu(S[l, k] - S[k, k] + margin)
+    ranking = ranking / B
+    fragment = fragment if use_fragment else fragment * 0
+    ranking = ranking if use_global else ranking * 0
+    return {"loss": fragment + beta * ranking, "fragment": fragment, "global": ranking}
+
+
+def make_batch(image_frags, sentence_frags, image_key, d=6, seed=0, scale=0.6):
+    """Random fragments: image_frags[k] and sentence_frags[k] fragments for pair k."""
+    g = torch.Generator().manual_seed(seed)
+    v_owner = torch.repeat_interleave(torch.arange(len(image_frags)), torch.tensor(image_frags))
+    s_owner = torch.repeat_interleave(torch.arange(len(sentence_frags)),
+                                      torch.tensor(sentence_frags))
+    # Shuffle the owners so nothing relies on fragments being grouped by pair.
+    v_owner = v_owner[torch.randperm(len(v_owner), generator=g)]
+    s_owner = s_owner[torch.randperm(len(s_owner), generator=g)]
+    v = (scale * torch.randn(len(v_owner), d, generator=g, dtype=torch.float64)).requires_grad_()
+    s = (scale * torch.randn(len(s_owner), d, generator=g, dtype=torch.float64)).requires_grad_()
+    return v, v_owner, s, s_owner, torch.tensor(image_key)
+
+
+def assert_matches_reference(batch, **switches):
+    v, v_owner, s, s_owner, image_key = batch
+    got = DeFragLoss(**switches)(v, v_owner, s, s_owner, image_key)
+    want = reference_loss(v, v_owner, s, s_owner, image_key, **switches)
+    for key in ("loss", "fragment", "global"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-12, msg=key)
+    got_grads = torch.autograd.grad(got["loss"], (v, s), allow_unused=True)
+    want_grads = torch.autograd.grad(want["loss"], (v, s), allow_unused=True)
+    for got_g, want_g in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_g, want_g, rtol=1e-10, atol=1e-12)
+    return got
+
+
+# Pairs 1 and 3 share an image; pair 2's sentence has no fragments.
+SHARED_IMAGE_BATCH = dict(image_frags=[3, 2, 4, 1, 2], sentence_frags=[2, 3, 0, 4, 1],
+                          image_key=[10, 11, 12, 11, 13])
+
+
+@pytest.mark.parametrize("mil,balance", list(itertools.product([True, False], repeat=2)))
+def test_loss_matches_reference(mil, balance):
+    got = assert_matches_reference(make_batch(**SHARED_IMAGE_BATCH), mil=mil, balance=balance,
+                                   beta=0.7, margin=0.5, smooth=5.0)
+    assert got["fragment"] > 0 and got["global"] > 0
+
+
+@pytest.mark.parametrize("use_fragment,use_global", [(True, False), (False, True)])
+def test_objective_switches(use_fragment, use_global):
+    got = assert_matches_reference(make_batch(**SHARED_IMAGE_BATCH, seed=1),
+                                   use_fragment=use_fragment, use_global=use_global)
+    assert (got["fragment"] == 0) != use_fragment
+    assert (got["global"] == 0) != use_global
+
+
+def test_smoothing_and_margin_values():
+    batch = make_batch(**SHARED_IMAGE_BATCH, seed=2, scale=1.5)
+    for smooth, margin in [(0.0, 1.0), (2.5, 0.1), (5.0, 3.0)]:
+        assert_matches_reference(batch, smooth=smooth, margin=margin, beta=2.0)
+
+
+def test_single_pair_has_no_negatives():
+    batch = make_batch(image_frags=[4], sentence_frags=[3], image_key=[0], seed=3)
+    got = assert_matches_reference(batch)
+    assert torch.isfinite(got["loss"]) and got["global"] == 0
+
+
+def test_positive_bag_without_positive_score_gets_its_best_member():
+    # Two image fragments, one sentence fragment, every score negative.
+    v = torch.tensor([[-1.0, 0.0], [-0.5, 0.0], [2.0, 0.0]], dtype=torch.float64,
+                     requires_grad=True)
+    s = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    v_owner, s_owner, image_key = torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([0, 1])
+    scores = (v @ s.T).detach()
+    labels = fragment_labels(scores, v_owner[:, None] == s_owner[None, :], mil=True)
+    # Sentence fragment 0: bag {0, 1} scores {-1, -0.5} -> fragment 1 becomes positive.
+    # Sentence fragment 1: bag {2} scores {-2} -> fragment 2 becomes positive.
+    assert labels.tolist() == [[False, False], [True, False], [False, True]]
+    assert_matches_reference((v, v_owner, s, s_owner, image_key))
+
+
+def test_mil_ties_pick_the_first_bag_member():
+    scores = torch.tensor([[-1.0], [-0.5], [-0.5], [3.0]])
+    same_pair = torch.tensor([[True], [True], [True], [False]])
+    labels = fragment_labels(scores, same_pair, mil=True)
+    assert labels.squeeze(1).tolist() == [False, True, False, False]
+    assert fragment_labels(scores, same_pair, mil=False).equal(same_pair)
+
+
+def test_pair_scores_matches_reference_and_empty_sentences_score_zero():
+    v, v_owner, s, s_owner, _ = make_batch(**SHARED_IMAGE_BATCH, seed=4, scale=1.0)
+    for smooth in (5.0, 0.0):
+        got = pair_scores(v, v_owner, s, s_owner, 5, 5, smooth=smooth)
+        want = reference_pair_scores(v, v_owner, s, s_owner, 5, 5, smooth)
+        torch.testing.assert_close(got, want)
+        assert torch.isfinite(got).all() and (got[:, 2] == 0).all()
+
+
+def test_pair_scores_gradient_matches_reference():
+    v, v_owner, s, s_owner, _ = make_batch(**SHARED_IMAGE_BATCH, seed=5, scale=1.0)
+    weights = torch.randn(5, 5, dtype=torch.float64)
+    got = torch.autograd.grad((pair_scores(v, v_owner, s, s_owner, 5, 5) * weights).sum(), (v, s))
+    want = torch.autograd.grad(
+        (reference_pair_scores(v, v_owner, s, s_owner, 5, 5, 5.0) * weights).sum(), (v, s))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("mil", [True, False])
+def test_per_rank_terms_sum_to_the_global_loss(num_ranks, mil):
+    """The decomposition distributed training relies on: own-row losses sum to the full loss."""
+    batch = make_batch(image_frags=[3, 2, 4, 1, 2, 5, 2], sentence_frags=[2, 3, 0, 4, 1, 2, 3],
+                       image_key=[10, 11, 12, 11, 13, 10, 14], seed=6)
+    v, v_owner, s, s_owner, image_key = batch
+    loss = DeFragLoss(mil=mil, beta=0.5)
+    full = loss(*batch)
+    full_grads = torch.autograd.grad(full["loss"], (v, s))
+
+    rank_of_pair = torch.arange(len(image_key)) % num_ranks
+    local_counts = []
+    for rank in range(num_ranks):  # first pass: each rank's own label counts
+        loss(*batch, own_pairs=rank_of_pair == rank,
+             sum_over_ranks=lambda c: local_counts.append(c) or c)
+    global_counts = torch.stack(local_counts).sum(0)
+    parts = [loss(*batch, own_pairs=rank_of_pair == rank, sum_over_ranks=lambda c: global_counts)
+             for rank in range(num_ranks)]
+    for key in ("loss", "fragment", "global"):
+        torch.testing.assert_close(sum(p[key] for p in parts), full[key], msg=key)
+    part_grads = torch.autograd.grad(sum(p["loss"] for p in parts), (v, s))
+    for a, b in zip(part_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_invalid_switches_are_rejected():
+    with pytest.raises(ValueError, match="smooth"):
+        DeFragLoss(smooth=-1)
+    with pytest.raises(ValueError, match="use_fragment"):
+        DeFragLoss(use_fragment=False, use_global=False)
