@@ -124,7 +124,8 @@ def test_positive_bag_without_positive_score_gets_its_best_member():
     v = torch.tensor([[-1.0, 0.0], [-0.5, 0.0], [2.0, 0.0]], dtype=torch.float64,
                      requires_grad=True)
     s = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
-    v_owner, s_owner, image_key = torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([0, 1])
+    v_owner, s_owner = torch.tensor([0, 0, 1]), torch.tensor([0, 1])
+    image_key = torch.tensor([0, 1])
     scores = (v @ s.T).detach()
     labels = fragment_labels(scores, v_owner[:, None] == s_owner[None, :], mil=True)
     # Sentence fragment 0: bag {0, 1} scores {-1, -0.5} -> fragment 1 becomes positive.
