@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from trainer.objectives import DeFragLoss, fragment_labels, pair_scores
+from trainer.objectives import DeFragLoss, fragment_labels, pair_scores, same_group_entries
 
 
 def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth):
@@ -126,20 +126,31 @@ def test_positive_bag_without_positive_score_gets_its_best_member():
     s = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
     v_owner, s_owner = torch.tensor([0, 0, 1]), torch.tensor([0, 1])
     image_key = torch.tensor([0, 1])
-    scores = (v @ s.T).detach()
-    labels = fragment_labels(scores, v_owner[:, None] == s_owner[None, :], mil=True)
+    rows, cols = same_group_entries(v_owner, s_owner)
+    assert list(zip(rows.tolist(), cols.tolist(), strict=True)) == [(0, 0), (1, 0), (2, 1)]
+    labels = fragment_labels((v @ s.T).detach()[rows, cols], rows, cols, 2, mil=True)
     # Sentence fragment 0: bag {0, 1} scores {-1, -0.5} -> fragment 1 becomes positive.
     # Sentence fragment 1: bag {2} scores {-2} -> fragment 2 becomes positive.
-    assert labels.tolist() == [[False, False], [True, False], [False, True]]
+    assert labels.tolist() == [False, True, True]
     assert_matches_reference((v, v_owner, s, s_owner, image_key))
 
 
 def test_mil_ties_pick_the_first_bag_member():
-    scores = torch.tensor([[-1.0], [-0.5], [-0.5], [3.0]])
-    same_pair = torch.tensor([[True], [True], [True], [False]])
-    labels = fragment_labels(scores, same_pair, mil=True)
-    assert labels.squeeze(1).tolist() == [False, True, False, False]
-    assert fragment_labels(scores, same_pair, mil=False).equal(same_pair)
+    # Column 0's bag: rows 3, 1, 2 (listed out of order) with a tie at -0.5 between rows 1, 2.
+    scores = torch.tensor([-1.0, -0.5, -0.5, 0.0, 2.0])
+    rows, cols = torch.tensor([3, 2, 1, 0, 0]), torch.tensor([0, 0, 0, 1, 2])
+    labels = fragment_labels(scores, rows, cols, 3, mil=True)
+    assert labels.tolist() == [False, False, True, True, True]
+    assert fragment_labels(scores, rows, cols, 3, mil=False).all()
+
+
+def test_same_group_entries_lists_every_matching_entry():
+    g = torch.Generator().manual_seed(7)
+    row_group, col_group = torch.randint(0, 5, (17,), generator=g), torch.randint(0, 5, (11,),
+                                                                                   generator=g)
+    rows, cols = same_group_entries(row_group, col_group)
+    dense = (row_group[:, None] == col_group[None, :]).nonzero()
+    assert torch.equal(torch.stack([rows, cols], 1), dense)
 
 
 def test_pair_scores_matches_reference_and_empty_sentences_score_zero():

@@ -32,9 +32,18 @@ def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
 def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images: int,
                num_sentences: int, smooth: float) -> Tensor:
     """Sum thresholded fragment scores per (image, sentence) and normalise them (eq. 6)."""
-    per_image = relu_scores.new_zeros(num_images, relu_scores.shape[1])
-    per_image = per_image.index_add(0, v_owner, relu_scores)
-    sums = relu_scores.new_zeros(num_images, num_sentences).index_add(1, s_owner, per_image)
+    sums = relu_scores.new_zeros(num_images, num_sentences)
+    images, image_of = torch.unique(v_owner, return_inverse=True)
+    sentences, sentence_of = torch.unique(s_owner, return_inverse=True)
+    # Owner sums as products with one-hot matrices (BLAS beats scatter here); reduce the
+    # side with more owners second so the intermediate stays small.
+    rows = nn.functional.one_hot(image_of, len(images)).T.to(relu_scores.dtype)
+    cols = nn.functional.one_hot(sentence_of, len(sentences)).to(relu_scores.dtype)
+    if len(images) <= len(sentences):
+        block = (rows @ relu_scores) @ cols
+    else:
+        block = rows @ (relu_scores @ cols)
+    sums = sums.index_put((images[:, None], sentences[None, :]), block)
     image_sizes = torch.bincount(v_owner, minlength=num_images).clamp(min=1)
     sentence_sizes = torch.bincount(s_owner, minlength=num_sentences) + smooth
     # A sentence without fragments has a zero sum; only smooth == 0 makes its denominator 0.
@@ -42,23 +51,41 @@ def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images
     return sums / norm.to(sums.dtype)
 
 
-def fragment_labels(scores: Tensor, same_pair: Tensor, mil: bool) -> Tensor:
-    """Labels y_ij = +1 (True) / -1 (False) of the same-pair block, inferred without gradient.
+def same_group_entries(row_group: Tensor, col_group: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices (i, j) of every entry with row_group[i] == col_group[j], row-major.
+
+    Built from the groups alone (sort + searchsorted), never from a full comparison matrix:
+    the same-image blocks of F are a tiny fraction of it.
+    """
+    col_order = torch.argsort(col_group, stable=True)
+    sorted_groups = col_group[col_order]
+    first = torch.searchsorted(sorted_groups, row_group)
+    count = torch.searchsorted(sorted_groups, row_group, right=True) - first
+    rows = torch.repeat_interleave(torch.arange(len(row_group), device=row_group.device), count)
+    row_start = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    within = torch.arange(len(rows), device=rows.device) - row_start
+    return rows, col_order[torch.repeat_interleave(first, count) + within]
+
+
+def fragment_labels(scores: Tensor, rows: Tensor, cols: Tensor, num_cols: int,
+                    mil: bool) -> Tensor:
+    """Positive labels (y_ij = +1) of same-pair entries (rows[e], cols[e]) with scores F_e.
 
     MIL off (C_0, eq. 4): every fragment pair of a corresponding image-sentence pair is positive.
-    MIL on (C_F, eq. 5, mi-SVM heuristic): y_ij = sign(F_ij); a sentence fragment whose
-    positive bag has no positive score gets +1 on its highest-scoring bag member (first on ties).
-    Entries outside the same-pair block are returned False.
+    MIL on (C_F, eq. 5, mi-SVM heuristic): y_ij = sign(F_ij) (0 counts as negative); a sentence
+    fragment whose positive bag has no positive score gets +1 on its highest-scoring bag member,
+    the first row on ties. Inferred without gradient.
     """
     if not mil:
-        return same_pair.clone()
-    positive = same_pair & (scores > 0)
-    in_bag = same_pair.any(dim=0)
-    unsatisfied = in_bag & ~positive.any(dim=0)
-    best = scores.masked_fill(~same_pair, float("-inf")).argmax(dim=0)
-    columns = unsatisfied.nonzero().squeeze(1)
-    positive[best[columns], columns] = True
-    return positive
+        return torch.ones_like(scores, dtype=torch.bool)
+    positive = scores > 0
+    satisfied = torch.zeros(num_cols, dtype=torch.bool, device=scores.device)
+    satisfied[cols[positive]] = True
+    best = scores.new_full((num_cols,), float("-inf")).scatter_reduce(0, cols, scores, "amax")
+    candidate = ~satisfied[cols] & (scores == best[cols])
+    first = torch.full((num_cols,), torch.iinfo(torch.long).max, device=scores.device)
+    first = first.scatter_reduce(0, cols[candidate], rows[candidate], "amin")
+    return positive | (candidate & (rows == first[cols]))
 
 
 class DeFragLoss(nn.Module):
@@ -89,7 +116,7 @@ class DeFragLoss(nn.Module):
         if own_pairs is None:
             own_pairs = torch.ones(num_pairs, dtype=torch.bool, device=v.device)
         own_rows = own_pairs[v_owner]
-        rows_v, rows_owner = v[own_rows], v_owner[own_rows]
+        rows_v, rows_owner = (v, v_owner) if own_rows.all() else (v[own_rows], v_owner[own_rows])
         row_scores = rows_v @ s.T  # F for this rank's image fragments, all sentence fragments
         zero = row_scores.sum() * 0
 
@@ -105,23 +132,35 @@ class DeFragLoss(nn.Module):
 
     def _fragment_alignment(self, scores: Tensor, v_owner: Tensor, s_owner: Tensor,
                             image_key: Tensor, sum_over_ranks: Callable | None) -> Tensor:
-        """C_F = sum_ij w_ij max(0, 1 - y_ij F_ij) over included fragment pairs (eq. 4, 5)."""
+        """C_F = sum_ij w_ij max(0, 1 - y_ij F_ij) over included fragment pairs (eq. 4, 5).
+
+        Every entry of F between different images is a negative. The few same-image entries
+        are handled as a list: those of different pairs are excluded, the same pair's get
+        their labels from `fragment_labels`.
+        """
+        rows, cols = same_group_entries(image_key[v_owner], image_key[s_owner])
+        same_image = scores[rows, cols]
+        same_pair = v_owner[rows] == s_owner[cols]
+        pair = same_image[same_pair]
         with torch.no_grad():
-            same_pair = v_owner[:, None] == s_owner[None, :]
-            other_image = image_key[v_owner][:, None] != image_key[s_owner][None, :]
-            positive = fragment_labels(scores, same_pair, self.mil)
-            negative = other_image | (same_pair & ~positive)
-            if self.balance:
-                counts = torch.stack([positive.sum(), negative.sum()]).to(scores.dtype)
-                if sum_over_ranks is not None:
-                    counts = sum_over_ranks(counts)
-                # An empty set contributes 0 (e.g. B = 1 has no negatives).
-                pos_weight, neg_weight = torch.where(counts > 0, 1 / counts.clamp(min=1), 0)
-            else:
-                pos_weight = neg_weight = torch.ones((), dtype=scores.dtype, device=scores.device)
-            signed = torch.where(positive, -1.0, 1.0).to(scores.dtype)  # -y_ij
-            weight = positive * pos_weight + negative * neg_weight
-        return (torch.relu(1 + signed * scores) * weight).sum()
+            positive = fragment_labels(pair, rows[same_pair], cols[same_pair], scores.shape[1],
+                                       self.mil)
+        # Over the other-image entries, sum max(0, 1 + F) = sum over all - over same-image ones.
+        other_image = (scores.clamp(min=-1).sum() + scores.numel()
+                       - (same_image.clamp(min=-1) + 1).sum())
+        negative = other_image + torch.relu(1 + pair[~positive]).sum()
+        positive_hinge = torch.relu(1 - pair[positive]).sum()
+        if not self.balance:
+            return positive_hinge + negative
+        with torch.no_grad():
+            other_count = scores.numel() - len(rows)
+            counts = torch.stack([positive.sum(), other_count + (~positive).sum()])
+            counts = counts.to(scores.dtype)
+            if sum_over_ranks is not None:
+                counts = sum_over_ranks(counts)
+            # An empty set contributes 0 (e.g. B = 1 has no negatives).
+            pos_weight, neg_weight = torch.where(counts > 0, 1 / counts.clamp(min=1), 0)
+        return pos_weight * positive_hinge + neg_weight * negative
 
     def _global_ranking(self, row_scores: Tensor, rows_owner: Tensor, v: Tensor,
                         v_owner: Tensor, s: Tensor, s_owner: Tensor, image_key: Tensor,
