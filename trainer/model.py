@@ -1,0 +1,198 @@
+"""The two fragment encoders of DeFrag (paper Section 3.1, 3.2) and the model that holds them.
+
+Sentence fragments are dependency triplets (R, w1, w2) embedded by eq. 1,
+`s = ReLU(W_R [W_e w1 ; W_e w2] + b_R)`; image fragments are boxes embedded by eq. 2,
+`v = W_m CNN(I_b) + b_m`. Both land in one `embed_dim`-sized space where the objectives
+(trainer/objectives.py) score them by inner products.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from trainer.backbones import Backbone, build_backbone
+from trainer.config import ModelConfig
+from trainer.vocab import FRAGMENT_MODES, Vocabulary
+from trainer.wordvecs import embedding_matrix
+
+REGION_MODES = ("roi", "crop")
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class SentenceEncoder(nn.Module):
+    """Eq. 1: one (W_R, b_R) per relation type over the concatenated word vectors, then ReLU."""
+
+    def __init__(self, word_vectors: torch.Tensor, num_relations: int, embed_dim: int,
+                 train_word_vectors: bool = False) -> None:
+        super().__init__()
+        if num_relations < 1:
+            raise ValueError(f"sentence encoder: need at least one relation type, got "
+                             f"{num_relations}")
+        self.word_vectors = nn.Parameter(word_vectors.detach().clone().float(),
+                                         requires_grad=train_word_vectors)  # W_e [V, d]
+        fan_in = 2 * word_vectors.shape[1]
+        self.weight = nn.Parameter(torch.empty(num_relations, embed_dim, fan_in))  # W_R
+        self.bias = nn.Parameter(torch.zeros(num_relations, embed_dim))  # b_R
+        # He init: a ReLU follows, so std sqrt(2 / fan_in) keeps the fragments' second moment at
+        # the word vectors' scale; zero bias starts every relation type unbiased.
+        nn.init.normal_(self.weight, std=(2.0 / fan_in) ** 0.5)
+        self.num_relations = num_relations
+        self.embed_dim = embed_dim
+
+    def forward(self, fragments: torch.Tensor) -> torch.Tensor:
+        """Fragments [Ns, 3] of (relation, w1, w2) ids -> embeddings s [Ns, embed_dim].
+
+        Rows are sorted by relation so each W_R is one matmul over its contiguous group (every
+        W_R joins the graph, even with an empty group, so all parameters always get a gradient).
+        """
+        relation = fragments[:, 0]
+        words = F.embedding(fragments[:, 1:], self.word_vectors).flatten(1)  # [Ns, 2d]
+        counts = torch.bincount(relation, minlength=self.num_relations)
+        if counts.numel() > self.num_relations:
+            raise ValueError(f"sentence fragments use relation id {counts.numel() - 1}, the "
+                             f"encoder has {self.num_relations} relation types")
+        order = torch.argsort(relation, stable=True)
+        groups = words[order].split(counts.tolist())
+        # unbind: the backward stacks the per-relation gradients once instead of adding R
+        # full-size [R, embed_dim, 2d] gradients (measured 2-7x faster on CPU).
+        sorted_s = torch.cat([torch.addmm(b, x, w.T) for w, b, x in
+                              zip(self.weight.unbind(0), self.bias.unbind(0), groups, strict=True)])
+        return torch.relu(sorted_s[torch.argsort(order)])
+
+
+class ImageEncoder(nn.Module):
+    """Eq. 2: a CNN over each box, then the linear map W_m into the fragment space."""
+
+    def __init__(self, backbone: Backbone, embed_dim: int, region_mode: str = "roi",
+                 crop_size: int = 224, roi_output_size: int = 7,
+                 freeze_batchnorm: bool = True) -> None:
+        super().__init__()
+        if region_mode not in REGION_MODES:
+            raise ValueError(f"region mode {region_mode!r}: expected one of {REGION_MODES}")
+        self.backbone = backbone
+        self.region_mode = region_mode
+        self.crop_size = crop_size
+        self.roi_output_size = roi_output_size
+        self.freeze_batchnorm = freeze_batchnorm
+        self.cnn_trainable = True
+        self.projection = nn.Linear(backbone.feature_dim, embed_dim)  # W_m, b_m
+        # LeCun init (no nonlinearity follows): v keeps the CNN features' per-dimension scale.
+        nn.init.normal_(self.projection.weight, std=backbone.feature_dim ** -0.5)
+        nn.init.zeros_(self.projection.bias)
+        self.set_cnn_trainable(True)
+
+    def forward(self, images: torch.Tensor, boxes: torch.Tensor,
+                box_image: torch.Tensor) -> torch.Tensor:
+        """Image fragments v [Nv, embed_dim] of the boxes (see `region_features`)."""
+        return self.project(self.region_features(images, boxes, box_image))
+
+    def region_features(self, images: torch.Tensor, boxes: torch.Tensor,
+                        box_image: torch.Tensor) -> torch.Tensor:
+        """CNN(I_b) [Nv, feature_dim] for boxes [Nv, 4] (xyxy pixels) of images [B, 3, H, W].
+
+        `box_image` [Nv] is the batch index of each box's image; pixels are floats in [0, 1].
+        Split from `project` so a trainer can cache the features of a frozen CNN.
+        """
+        if boxes.shape[0] != box_image.shape[0]:
+            raise ValueError(f"{boxes.shape[0]} boxes but {box_image.shape[0]} box_image rows")
+        rois = torch.cat([box_image.to(boxes.dtype).unsqueeze(1), boxes], dim=1)
+        pixels = self.backbone.normalize(images)
+        if self.region_mode == "roi":
+            # One CNN pass per image, then RoIAlign on its feature map (~20x cheaper than crops).
+            grid = torchvision.ops.roi_align(self.backbone.features(pixels), rois,
+                                             output_size=self.roi_output_size,
+                                             spatial_scale=1.0 / self.backbone.stride,
+                                             aligned=True)
+            return self.backbone.pool(grid)
+        # crop (the paper): warp every box to crop_size x crop_size pixels, one CNN pass each.
+        crops = torchvision.ops.roi_align(pixels, rois, output_size=self.crop_size, aligned=True)
+        return self.backbone.pool(self.backbone.features(crops))
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """W_m features + b_m (eq. 2): CNN features [Nv, feature_dim] -> [Nv, embed_dim]."""
+        return self.projection(features)
+
+    def set_cnn_trainable(self, flag: bool) -> None:
+        """Train (phase 2) or fix (phase 1) the CNN's parameters.
+
+        Frozen BatchNorm affine parameters stay fixed either way, and a fixed CNN also keeps its
+        BatchNorm statistics, so its features are a pure function of the pixels (cacheable).
+        """
+        self.cnn_trainable = flag
+        for parameter in self.backbone.parameters():
+            parameter.requires_grad_(flag)
+        if self.freeze_batchnorm:
+            for module in self._batchnorms():
+                for parameter in module.parameters():
+                    parameter.requires_grad_(False)
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> ImageEncoder:
+        """nn.Module.train, except fixed BatchNorm layers stay in eval mode (running stats)."""
+        super().train(mode)
+        if self.freeze_batchnorm or not self.cnn_trainable:
+            for module in self._batchnorms():
+                module.eval()
+        return self
+
+    def cnn_parameters(self) -> list[nn.Parameter]:
+        """Backbone parameters that can ever train (all but frozen BatchNorm affine ones).
+
+        Independent of the current `set_cnn_trainable` state, so one optimizer built at the start
+        covers both phases.
+        """
+        frozen = set()
+        if self.freeze_batchnorm:
+            frozen = {id(p) for module in self._batchnorms() for p in module.parameters()}
+        return [p for p in self.backbone.parameters() if id(p) not in frozen]
+
+    def _batchnorms(self) -> Iterator[nn.Module]:
+        return (m for m in self.backbone.modules() if isinstance(m, BATCHNORMS))
+
+
+class DeFragModel(nn.Module):
+    """Sentence (eq. 1) and image (eq. 2) fragment encoders into one embedding space."""
+
+    def __init__(self, sentence: SentenceEncoder, image: ImageEncoder) -> None:
+        super().__init__()
+        if sentence.embed_dim != image.projection.out_features:
+            raise ValueError(f"sentence embed_dim {sentence.embed_dim} != image embed_dim "
+                             f"{image.projection.out_features}")
+        self.sentence = sentence
+        self.image = image
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, vocab: Vocabulary, seed: int = 0) -> DeFragModel:
+        """Build the model of `cfg` for `vocab`; `seed` fixes every random initialisation."""
+        if cfg.fragment_mode not in FRAGMENT_MODES:
+            raise ValueError(f"fragment mode {cfg.fragment_mode!r}: expected one of "
+                             f"{FRAGMENT_MODES}")
+        word_vectors = embedding_matrix(vocab.words, cfg.word_vectors, cfg.word_dim, seed=seed)
+        with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
+            torch.manual_seed(seed)
+            backbone = build_backbone(cfg.backbone, cfg.pretrained, cfg.backbone_weights)
+            sentence = SentenceEncoder(word_vectors, vocab.num_relations(cfg.fragment_mode),
+                                       cfg.embed_dim, cfg.train_word_vectors)
+            image = ImageEncoder(backbone, cfg.embed_dim, cfg.region_mode, cfg.crop_size,
+                                 cfg.roi_output_size, cfg.freeze_batchnorm)
+        return cls(sentence, image)
+
+    def forward(self, images: torch.Tensor, boxes: torch.Tensor, box_image: torch.Tensor,
+                fragments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image fragments v [Nv, embed_dim] (eq. 2) and sentence fragments s [Ns, embed_dim]
+        (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs."""
+        return self.image(images, boxes, box_image), self.sentence(fragments)
+
+    def cnn_parameters(self) -> list[nn.Parameter]:
+        """The CNN's parameters (its own optimizer group: lr scale, phase-2 finetuning)."""
+        return self.image.cnn_parameters()
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """Every trainable parameter outside the CNN: W_R, b_R, W_m, b_m (and W_e if trained)."""
+        cnn = {id(p) for p in self.image.backbone.parameters()}
+        return [p for p in self.parameters() if p.requires_grad and id(p) not in cnn]
