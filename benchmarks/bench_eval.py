@@ -1,0 +1,139 @@
+"""Time and peak memory of score_matrix on a Flickr-size test set against its matrix-product floor.
+
+The floor is the block products v_block @ s_block^T alone (results discarded) over the same
+blocks, timed in the same run. A first score_matrix call warms up and measures the peak memory:
+the kernel's high-water mark of resident memory (VmHWM), reset through /proc/self/clear_refs just
+before the call (Linux). Then times are the best of --repeats runs, floor and score_matrix
+alternating so that load drift on a shared machine hits both alike; wall-clock and process CPU
+seconds (all threads) are both reported, CPU time being the steadier one under contention.
+
+    python benchmarks/bench_eval.py [--images 1000] [--sentences 5000] [--chunk-images 64]
+                                    [--chunk-sentences 512] [--shuffle] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.evaluate import score_matrix
+
+GIB = 2**30
+
+
+def make_test_set(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """Seeded random float32 fragments: image_frags per image, a uniform count per sentence."""
+    g = torch.Generator().manual_seed(args.seed)
+    v_count = torch.full((args.images,), args.image_frags)
+    s_count = torch.randint(args.min_sentence_frags, args.max_sentence_frags + 1,
+                            (args.sentences,), generator=g)
+    v_owner = torch.arange(args.images).repeat_interleave(v_count)
+    s_owner = torch.arange(args.sentences).repeat_interleave(s_count)
+    v = torch.randn(len(v_owner), args.dim, generator=g) / args.dim**0.5
+    s = torch.randn(len(s_owner), args.dim, generator=g)
+    return v, v_owner, v_count, s, s_owner, s_count
+
+
+def block_products(v: torch.Tensor, v_count: torch.Tensor, s: torch.Tensor,
+                   s_count: torch.Tensor, chunk_images: int, chunk_sentences: int) -> None:
+    """The floor: score_matrix's block products alone, on owner-sorted fragments."""
+    v_start = [0, *v_count.cumsum(0).tolist()]
+    s_start = [0, *s_count.cumsum(0).tolist()]
+    for k0 in range(0, len(v_count), chunk_images):
+        k1 = min(k0 + chunk_images, len(v_count))
+        for l0 in range(0, len(s_count), chunk_sentences):
+            l1 = min(l0 + chunk_sentences, len(s_count))
+            v[v_start[k0]:v_start[k1]] @ s[s_start[l0]:s_start[l1]].T  # noqa: B018
+
+
+def resident_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size
+
+
+def timed(fn) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of fn()."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=1000, help="test images (paper: 1,000)")
+    parser.add_argument("--sentences", type=int, default=5000, help="test sentences (5 each)")
+    parser.add_argument("--image-frags", type=int, default=20, help="19 boxes + whole image")
+    parser.add_argument("--min-sentence-frags", type=int, default=8)
+    parser.add_argument("--max-sentence-frags", type=int, default=14)
+    parser.add_argument("--dim", type=int, default=1000, help="embedding size (paper: ~1000)")
+    parser.add_argument("--chunk-images", type=int, default=64)
+    parser.add_argument("--chunk-sentences", type=int, default=512)
+    parser.add_argument("--shuffle", action="store_true",
+                        help="give score_matrix the fragments in random owner order")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    v, v_owner, v_count, s, s_owner, s_count = make_test_set(args)
+    if args.shuffle:
+        perm_v, perm_s = torch.randperm(len(v)), torch.randperm(len(s))
+        given = v[perm_v], v_owner[perm_v], s[perm_s], s_owner[perm_s]
+    else:
+        given = v, v_owner, s, s_owner
+    input_bytes = sum(t.numel() * t.element_size() for t in given)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.images} images x "
+          f"{args.sentences} sentences, {len(v)} x {len(s)} fragments, d = {args.dim}, chunks "
+          f"{args.chunk_images} x {args.chunk_sentences}, inputs {input_bytes / GIB:.2f} GiB")
+
+    def scores() -> None:
+        score_matrix(*given, args.images, args.sentences, chunk_images=args.chunk_images,
+                     chunk_sentences=args.chunk_sentences)
+
+    def floor() -> None:
+        block_products(v, v_count, s, s_count, args.chunk_images, args.chunk_sentences)
+
+    with torch.no_grad():
+        rss_before = resident_bytes("VmRSS")
+        reset_peak()
+        warm_up = timed(scores)
+        peak = resident_bytes("VmHWM")
+        print(f"  warm-up: score_matrix {warm_up[0]:.2f} s")
+        runs = []
+        for _ in range(args.repeats):
+            runs.append((*timed(floor), *timed(scores)))
+            print("  run: floor {:.2f} s ({:.2f} s CPU), score_matrix {:.2f} s ({:.2f} s CPU)"
+                  .format(*runs[-1]))
+    floor_wall, floor_cpu, wall, cpu = (min(column) for column in zip(*runs, strict=True))
+
+    result = {
+        "images": args.images, "sentences": args.sentences, "image_fragments": len(v),
+        "sentence_fragments": len(s), "dim": args.dim, "chunk_images": args.chunk_images,
+        "chunk_sentences": args.chunk_sentences, "shuffle": args.shuffle,
+        "threads": torch.get_num_threads(), "seconds": wall, "floor_seconds": floor_wall,
+        "ratio": wall / floor_wall, "cpu_seconds": cpu, "floor_cpu_seconds": floor_cpu,
+        "cpu_ratio": cpu / floor_cpu,
+        "floor_gflops": 2 * len(v) * len(s) * args.dim / floor_wall / 1e9,
+        "input_bytes": input_bytes, "rss_before_bytes": rss_before, "peak_rss_bytes": peak,
+        "peak_increase_bytes": peak - rss_before,
+    }
+    print(f"score_matrix {wall:.2f} s, floor {floor_wall:.2f} s "
+          f"({result['floor_gflops']:.0f} GFLOP/s), ratio {result['ratio']:.2f} (CPU time "
+          f"{result['cpu_ratio']:.2f}; target <= 2); peak RSS {peak / GIB:.2f} GiB (target < 4), "
+          f"{(peak - rss_before) / GIB:.2f} GiB above the {rss_before / GIB:.2f} GiB before the "
+          f"call (inputs {input_bytes / GIB:.2f} GiB)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

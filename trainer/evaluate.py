@@ -1,0 +1,168 @@
+"""Bidirectional retrieval evaluation: the eq. 6 score matrix of a test set and its metrics.
+
+`score_matrix` turns fragment embeddings into image-sentence scores S [N_img, N_sent] block by
+block, so that a 1,000-image test set never holds its [20k, 50k] fragment scores at once.
+`retrieval_metrics` ranks with S in both directions (DESIGN.md section 3, the vsepp / SCAN
+convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh et al.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+RECALL_AT = (1, 5, 10)
+
+
+def retrieval_metrics(scores: torch.Tensor, sentence_image: torch.Tensor) -> dict[str, float]:
+    """R@1/5/10, median and mean rank for image annotation (i2t) and image search (t2i), and rsum.
+
+    `scores` [N_img, N_sent] ranks items by decreasing score; `sentence_image` [N_sent] is the
+    image row of each sentence. Ranks are 1-based; i2t keeps the best rank among an image's true
+    sentences. Ties are pessimistic: a wrong item scoring the same as the truth ranks above it
+    (eq. 6 scores often tie at 0, and a constant matrix must not look perfect); tied true
+    sentences do not push each other down. Images with no sentence are left out of i2t but stay
+    candidates in t2i.
+    """
+    _check_retrieval_inputs(scores, sentence_image)
+    num_images, num_sentences = scores.shape
+    sentence_image = sentence_image.to(scores.device)
+    true_score = scores[sentence_image, torch.arange(num_sentences, device=scores.device)]
+
+    # Image search: rank = number of images scoring >= the true one, the true one included.
+    t2i_rank = (scores >= true_score).sum(0)
+
+    # Image annotation: the best true sentence of each image against every wrong sentence:
+    # rank = 1 + sentences scoring >= it - true sentences scoring >= it.
+    best_true = torch.full((num_images,), -math.inf, dtype=scores.dtype, device=scores.device)
+    best_true = best_true.scatter_reduce(0, sentence_image, true_score, "amax")
+    at_or_above = (scores >= best_true[:, None]).sum(1)
+    true_at_best = torch.bincount(sentence_image[true_score >= best_true[sentence_image]],
+                                  minlength=num_images)
+    has_sentence = torch.bincount(sentence_image, minlength=num_images) > 0
+    i2t_rank = (1 + at_or_above - true_at_best)[has_sentence]
+
+    metrics = {**_rank_summary("i2t", i2t_rank), **_rank_summary("t2i", t2i_rank)}
+    metrics["rsum"] = sum(metrics[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_AT)
+    return metrics
+
+
+def hodosh_metrics(scores: torch.Tensor, sentence_image: torch.Tensor) -> dict[str, float]:
+    """retrieval_metrics on the first sentence of each image only: a 1:1 retrieval (paper Sec. 4).
+
+    "First" is the lowest column of each image in `scores`; the other sentences are dropped.
+    """
+    _check_retrieval_inputs(scores, sentence_image)
+    num_images, num_sentences = scores.shape
+    columns = torch.arange(num_sentences, device=sentence_image.device)
+    first = torch.full((num_images,), num_sentences, dtype=torch.long, device=columns.device)
+    first = first.scatter_reduce(0, sentence_image, columns, "amin")
+    first = first[first < num_sentences]  # images with no sentence have no first one
+    return retrieval_metrics(scores[:, first.to(scores.device)], sentence_image[first])
+
+
+@torch.no_grad()
+def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owner: torch.Tensor,
+                 num_images: int, num_sentences: int, smooth: float = 5.0,
+                 chunk_images: int = 64, chunk_sentences: int = 512,
+                 progress: bool = False) -> torch.Tensor:
+    """Eq. 6 for a whole test set: S [num_images, num_sentences], computed in bounded memory.
+
+    S_kl = 1/(|g_k| (|g_l| + smooth)) * sum_{i in g_k, j in g_l} max(0, v_i . s_j), where
+    v_owner / s_owner give each fragment's image / sentence (any order). Fragment scores exist
+    one block of chunk_images images x chunk_sentences sentences at a time. An image or a
+    sentence with no fragments scores 0 with everything.
+    """
+    _check_fragments("v", v, v_owner, num_images)
+    _check_fragments("s", s, s_owner, num_sentences)
+    if v.shape[1] != s.shape[1]:
+        raise ValueError(f"v and s must have the same embedding size: got {v.shape[1]} and "
+                         f"{s.shape[1]}")
+    if chunk_images < 1 or chunk_sentences < 1:
+        raise ValueError(f"chunk sizes must be >= 1: got chunk_images={chunk_images}, "
+                         f"chunk_sentences={chunk_sentences}")
+    if smooth < 0:
+        raise ValueError(f"smooth must be >= 0: got {smooth}")
+
+    # Sort fragments by owner: an owner's fragments are then one contiguous run of rows, a block
+    # is a slice (no copy), and the per-owner sums are segment sums over those runs.
+    v, v_count = _group_by_owner(v, v_owner, num_images)
+    s, s_count = _group_by_owner(s, s_owner, num_sentences)
+    v_start = [0, *v_count.cumsum(0).tolist()]  # fragment rows of image k: v_start[k]:v_start[k+1]
+    s_start = [0, *s_count.cumsum(0).tolist()]
+
+    scores = v.new_zeros(num_images, num_sentences)
+    image_chunks = range(0, num_images, chunk_images)
+    sentence_chunks = range(0, num_sentences, chunk_sentences)
+    with tqdm(total=len(image_chunks) * len(sentence_chunks), desc="score matrix", unit="block",
+              disable=not progress) as bar:
+        for k0 in image_chunks:
+            k1 = min(k0 + chunk_images, num_images)
+            v_block = v[v_start[k0]:v_start[k1]]
+            for l0 in sentence_chunks:
+                l1 = min(l0 + chunk_sentences, num_sentences)
+                fragment = (v_block @ s[s_start[l0]:s_start[l1]].T).relu_()
+                per_image = torch.segment_reduce(fragment, "sum", lengths=v_count[k0:k1], axis=0)
+                per_pair = torch.segment_reduce(per_image.T, "sum", lengths=s_count[l0:l1], axis=0)
+                scores[k0:k1, l0:l1] = per_pair.T
+                bar.update()
+
+    # Normalise; an owner with no fragments has a zero sum and gets a zero factor (no 0/0).
+    image_norm = torch.where(v_count > 0, 1 / v_count.to(scores.dtype), 0)
+    sentence_norm = torch.where(s_count > 0, 1 / (s_count.to(scores.dtype) + smooth), 0)
+    return scores.mul_(image_norm[:, None]).mul_(sentence_norm)
+
+
+def _group_by_owner(x: torch.Tensor, owner: torch.Tensor,
+                    num_owners: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x sorted by owner (no copy when already sorted) and the row count of each owner."""
+    owner = owner.to(x.device)
+    count = torch.bincount(owner, minlength=num_owners)
+    if bool((owner[1:] < owner[:-1]).any()):
+        x = x[torch.argsort(owner, stable=True)]
+    return x, count
+
+
+def _rank_summary(direction: str, rank: torch.Tensor) -> dict[str, float]:
+    """R@K (percent), floor of the median rank and mean rank of 1-based ranks."""
+    rank = rank.cpu().numpy()
+    summary = {f"{direction}_r{k}": 100.0 * float(np.mean(rank <= k)) for k in RECALL_AT}
+    summary[f"{direction}_medr"] = float(np.floor(np.median(rank)))
+    summary[f"{direction}_meanr"] = float(np.mean(rank))
+    return summary
+
+
+def _check_retrieval_inputs(scores: torch.Tensor, sentence_image: torch.Tensor) -> None:
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a 2-D float tensor [N_img, N_sent]: got "
+                         f"{scores.dtype} of shape {tuple(scores.shape)}")
+    num_images, num_sentences = scores.shape
+    if sentence_image.dim() != 1 or sentence_image.dtype != torch.long:
+        raise ValueError(f"sentence_image must be a 1-D LongTensor [N_sent]: got "
+                         f"{sentence_image.dtype} of shape {tuple(sentence_image.shape)}")
+    if len(sentence_image) != num_sentences:
+        raise ValueError(f"sentence_image has {len(sentence_image)} entries but scores has "
+                         f"{num_sentences} sentence columns")
+    if num_sentences == 0:
+        raise ValueError("no sentences to evaluate: scores has 0 columns")
+    low, high = int(sentence_image.min()), int(sentence_image.max())
+    if low < 0 or high >= num_images:
+        raise ValueError(f"sentence_image must hold image rows in [0, {num_images}): got values "
+                         f"from {low} to {high}")
+    if bool(scores.isnan().any()):
+        raise ValueError("scores contain NaN: ranks would be meaningless")
+
+
+def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners: int) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a 2-D float tensor [fragments, d]: got {x.dtype} of "
+                         f"shape {tuple(x.shape)}")
+    if owner.dim() != 1 or owner.dtype != torch.long or len(owner) != len(x):
+        raise ValueError(f"{name}_owner must be a 1-D LongTensor with one entry per row of {name} "
+                         f"({len(x)}): got {owner.dtype} of shape {tuple(owner.shape)}")
+    if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= num_owners):
+        raise ValueError(f"{name}_owner must hold indices in [0, {num_owners}): got values from "
+                         f"{int(owner.min())} to {int(owner.max())}")
