@@ -1,0 +1,263 @@
+"""trainer/registry.py: the model folder (round trip, refusals), registration on a real sqlite
+MLflow store, download by alias and version, and the download command in a subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.config import Config, ModelConfig
+from trainer.model import DeFragModel
+from trainer.registry import (
+    CHECKSUMS,
+    CONFIG,
+    METRICS,
+    VOCAB,
+    WEIGHTS,
+    ModelFolderError,
+    download_model,
+    load_model_folder,
+    main,
+    register_model,
+    save_model_folder,
+    verify_model_folder,
+)
+from trainer.tracking import Tracker
+from trainer.vocab import Vocabulary
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB_WORDS = Vocabulary(words=["a", "brown", "dog", "runs", "grass"], relations=["nsubj", "amod"])
+
+
+def tiny_model(seed: int) -> tuple[DeFragModel, Config]:
+    """A small real DeFragModel (8-d word vectors, 16-d space) and a config that trained it from a
+    word-vector file and ImageNet weights: loading must need neither."""
+    built = ModelConfig(embed_dim=16, word_dim=8, backbone="efficientnet_lite0", pretrained=False)
+    model = DeFragModel.from_config(built, VOCAB_WORDS, seed=seed)
+    trained = dataclasses.replace(built, word_dim=200, pretrained=True,
+                                  word_vectors="/nowhere/glove.6B.8d.txt")
+    return model, Config(model=trained, seed=seed)
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    state_a, state_b = a.state_dict(), b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name, tensor in state_a.items():
+        assert torch.equal(tensor, state_b[name]), name
+
+
+def rewrite_checksums(folder: Path) -> None:
+    """Re-fingerprint every file, as a careless re-export would (checksums alone then pass)."""
+    manifest = json.loads((folder / CHECKSUMS).read_text())
+    for name in manifest["files"]:
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / CHECKSUMS).write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DeFragModel, Config]:
+    model, config = tiny_model(seed=1)
+    folder = save_model_folder(tmp_path_factory.mktemp("saved") / "model", model, config,
+                               VOCAB_WORDS, metrics={"rsum": 42.0})
+    return folder, model, config
+
+
+@pytest.fixture
+def copy_of_saved(saved: tuple[Path, DeFragModel, Config], tmp_path: Path) -> Path:
+    """A copy of the saved folder a test may damage."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in saved[0].iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+# ---------------------------------------------------------------- the folder
+
+
+def test_folder_round_trip_without_pickle(saved: tuple[Path, DeFragModel, Config],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    folder, model, config = saved
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS])
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+    def no_unpickling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model folder must load without unpickling")
+
+    for module, name in [(torch, "load"), (pickle, "load"), (pickle, "loads")]:
+        monkeypatch.setattr(module, name, no_unpickling)
+    loaded, loaded_config, vocab = load_model_folder(folder)
+    assert_same_weights(loaded, model)
+    assert loaded_config == config and vocab == VOCAB_WORDS
+    assert not loaded.training
+    assert json.loads((folder / METRICS).read_text()) == {"rsum": 42.0}
+    fragments = torch.tensor([[0, 2, 3], [1, 2, 1]])
+    torch.testing.assert_close(loaded.sentence(fragments), model.sentence(fragments))
+
+
+def test_save_replaces_an_older_folder(tmp_path: Path) -> None:
+    model, config = tiny_model(seed=2)
+    folder = tmp_path / "best"
+    save_model_folder(folder, torch.nn.Linear(2, 2), config, VOCAB_WORDS, metrics={"rsum": 1.0})
+    save_model_folder(folder, model, config, VOCAB_WORDS)
+    assert [p.name for p in tmp_path.iterdir()] == ["best"]  # nothing staged or retired left
+    assert not (folder / METRICS).exists()
+    assert_same_weights(load_model_folder(folder)[0], model)
+
+
+def test_shared_and_strided_tensors_are_saved(tmp_path: Path) -> None:
+    tied = torch.nn.Module()
+    tied.weight = torch.nn.Parameter(torch.randn(3, 4))
+    tied.register_buffer("transposed", tied.weight.detach().T)  # a view: shared, not contiguous
+    folder = save_model_folder(tmp_path / "tied", tied, Config(), VOCAB_WORDS)
+    verify_model_folder(folder)
+    state = load_file(folder / WEIGHTS)
+    assert torch.equal(state["weight"], tied.weight) and torch.equal(state["transposed"],
+                                                                     tied.weight.T)
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, CONFIG, VOCAB, METRICS])
+def test_altered_file_is_refused(copy_of_saved: Path, name: str) -> None:
+    data = bytearray((copy_of_saved / name).read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    (copy_of_saved / name).write_bytes(bytes(data))
+    with pytest.raises(ModelFolderError, match=f"{name} does not match its checksum"):
+        load_model_folder(copy_of_saved)
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, CONFIG, VOCAB, CHECKSUMS])
+def test_missing_file_is_refused(copy_of_saved: Path, name: str) -> None:
+    (copy_of_saved / name).unlink()
+    with pytest.raises(ModelFolderError, match=f"{name} is missing"):
+        load_model_folder(copy_of_saved)
+
+
+def test_unlisted_file_is_refused(copy_of_saved: Path) -> None:
+    (copy_of_saved / "model.pkl").write_bytes(pickle.dumps({"x": 1}))
+    with pytest.raises(ModelFolderError, match=r"not listed in checksums.json: \['model.pkl'\]"):
+        verify_model_folder(copy_of_saved)
+
+
+@pytest.mark.parametrize("change", ["drop", "add", "reshape"])
+def test_weights_that_do_not_fit_the_model_are_refused(copy_of_saved: Path, change: str) -> None:
+    state = load_file(copy_of_saved / WEIGHTS)
+    if change == "drop":
+        del state["sentence.bias"]
+        expected = r"missing tensors \['sentence.bias'\]"
+    elif change == "add":
+        state["extra.weight"] = torch.zeros(2)
+        expected = r"unexpected \['extra.weight'\]"
+    else:
+        state["image.projection.bias"] = torch.zeros(17)
+        expected = r"other shapes \['image.projection.bias'\]"
+    save_file(state, copy_of_saved / WEIGHTS)
+    rewrite_checksums(copy_of_saved)
+    with pytest.raises(ModelFolderError, match=f"{WEIGHTS} does not fit .*{expected}"):
+        load_model_folder(copy_of_saved)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory,
+          saved: tuple[Path, DeFragModel, Config]) -> tuple[Tracker, DeFragModel]:
+    """A run's embedded store with `defrag` v1 (the saved model) and v2 (champion, seed 3)."""
+    root = tmp_path_factory.mktemp("store")
+    env = pytest.MonkeyPatch()
+    env.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.start(saved[2], root / "run", rank=0)
+    env.undo()
+    assert tracker.register_model(saved[0]) == "1"
+    second, config = tiny_model(seed=3)
+    folder = save_model_folder(root / "second", second, config, VOCAB_WORDS, {"rsum": 50.0})
+    assert tracker.register_model(folder, artifact_path="model-2") == "2"
+    tracker.finish()
+    return tracker, second
+
+
+def test_register_refuses_to_overwrite_a_version(store: tuple[Tracker, DeFragModel],
+                                                 saved: tuple[Path, DeFragModel, Config]) -> None:
+    tracker, _ = store
+    with pytest.raises(ValueError, match="already has artifacts under 'model'"):
+        register_model(tracker.client, tracker.run_id, saved[0])
+
+
+@pytest.mark.parametrize("uri", ["models:/defrag@champion", "models:/defrag/2", "models:/defrag/1"])
+def test_download_by_alias_and_version(store: tuple[Tracker, DeFragModel],
+                                       saved: tuple[Path, DeFragModel, Config], tmp_path: Path,
+                                       uri: str) -> None:
+    tracker, second = store
+    dst = download_model(uri, tmp_path / "downloads" / "defrag", tracker.tracking_uri)
+    assert dst == tmp_path / "downloads" / "defrag"
+    assert [p.name for p in dst.parent.iterdir()] == ["defrag"]  # no staging left
+    model, _, _ = load_model_folder(dst)
+    assert_same_weights(model, saved[1] if uri.endswith("/1") else second)
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("models:/nope@champion", r"no registered model 'nope' .*registered: \['defrag'\]"),
+    ("models:/defrag@best", r"model 'defrag' has no alias 'best'; aliases: \['champion'\]"),
+    ("models:/defrag/7", r"model 'defrag' has no version 7; versions: \[1, 2\]"),
+    ("runs:/abc/model", "expected models:/NAME@ALIAS or models:/NAME/VERSION"),
+])
+def test_download_names_what_does_not_exist(store: tuple[Tracker, DeFragModel], tmp_path: Path,
+                                            uri: str, message: str) -> None:
+    with pytest.raises((LookupError, ValueError), match=message):
+        download_model(uri, tmp_path / "dst", store[0].tracking_uri)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_refuses_an_altered_store_copy(store: tuple[Tracker, DeFragModel],
+                                                tmp_path: Path) -> None:
+    tracker, _ = store
+    weights = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix(
+        "file://")) / "model" / VOCAB
+    original = weights.read_bytes()
+    weights.write_bytes(original.replace(b"dog", b"cat"))
+    try:
+        with pytest.raises(ModelFolderError, match=f"{VOCAB} does not match its checksum"):
+            download_model("models:/defrag/1", tmp_path / "dst", tracker.tracking_uri)
+    finally:
+        weights.write_bytes(original)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_errors_are_one_clear_line(store: tuple[Tracker, DeFragModel], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(SystemExit, match="download: no tracking store: pass --tracking-uri"):
+        main(["download", "models:/defrag@champion", "--dst", str(tmp_path / "a")])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(SystemExit, match="exists and is not an empty folder"):
+        main(["download", "models:/defrag@champion", "--dst", str(tmp_path / "full"),
+              "--tracking-uri", store[0].tracking_uri])
+    with pytest.raises(SystemExit, match="verify: .*checksums.json is missing"):
+        main(["verify", str(tmp_path / "full")])
+
+
+def test_download_command_end_to_end(store: tuple[Tracker, DeFragModel], tmp_path: Path) -> None:
+    tracker, second = store
+    dst = tmp_path / "champion"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracker.tracking_uri}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.registry", "download", "models:/defrag@champion",
+         "--dst", str(dst)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(dst)
+    model, config, _ = load_model_folder(dst)
+    assert_same_weights(model, second)
+    assert config.seed == 3

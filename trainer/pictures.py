@@ -1,0 +1,111 @@
+"""Alignment pictures in the style of the paper's Figure 4: which box each sentence fragment meets.
+
+`best_boxes` aligns every sentence fragment with its highest-scoring image fragment (the inner
+product v_i . s_j of the paper); `render_alignment` draws the image with its boxes and, beside it,
+the sentences and each fragment with its box's colour tag and score. Plain PIL, default font.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+IMAGE_SIDE = 480  # the drawn image's longer side in pixels (Flickr images are ~500)
+PANEL_WIDTH = 460  # the text column beside the image
+MARGIN = 12
+FONT_SIZE = 15
+UNLINKED = (150, 150, 150)  # boxes no fragment aligns to: thin grey outlines
+# Distinct colours for linked boxes (Trubetskoy's list, strongest first, grey left out).
+PALETTE = [
+    (230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+    (70, 240, 240), (240, 50, 230), (210, 245, 60), (0, 128, 128), (170, 110, 40),
+    (128, 0, 0), (128, 128, 0), (0, 0, 128), (255, 225, 25), (250, 190, 212),
+    (220, 190, 255), (170, 255, 195), (255, 215, 180), (255, 250, 200),
+]
+
+
+def best_boxes(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For fragments s [Ns, d] and boxes v [Nv, d]: the best box of each fragment [Ns] (first
+    on ties) and its score v_i . s_j [Ns]."""
+    if v.shape[0] == 0:
+        raise ValueError("best_boxes: no image fragments to align to")
+    score, box = (s.detach() @ v.detach().T).max(dim=1)
+    return box, score
+
+
+def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],
+                     sentences: Sequence[str], triplet_labels: Sequence[str],
+                     triplet_box: Sequence[int], triplet_score: Sequence[float]) -> Image.Image:
+    """The image (scaled so its longer side is IMAGE_SIDE) with its xyxy pixel `boxes`, and a
+    text column: the sentences, then each fragment `triplet_labels[j]` tagged with the colour and
+    number of its box `triplet_box[j]` and its score. Tensors (e.g. from best_boxes) are fine."""
+    boxes = [[float(c) for c in box] for box in boxes]
+    triplet_box = [int(b) for b in triplet_box]
+    triplet_score = [float(score) for score in triplet_score]
+    if not len(triplet_labels) == len(triplet_box) == len(triplet_score):
+        raise ValueError(f"{len(triplet_labels)} triplet labels, {len(triplet_box)} boxes and "
+                         f"{len(triplet_score)} scores: expected one of each per fragment")
+    if any(not 0 <= b < len(boxes) for b in triplet_box):
+        raise ValueError(f"triplet box indices {list(triplet_box)} outside 0..{len(boxes) - 1}")
+    font = ImageFont.load_default(size=FONT_SIZE)
+    line_height = FONT_SIZE + 6
+    colour = {}  # box index -> colour, in order of first appearance among the fragments
+    for b in triplet_box:
+        colour.setdefault(b, PALETTE[len(colour) % len(PALETTE)])
+
+    scale = IMAGE_SIDE / max(image.size)
+    picture = image.convert("RGB").resize(
+        (round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(picture)
+    linked_last = sorted(range(len(boxes)), key=lambda b: b in colour)  # coloured boxes on top
+    for b in linked_last:
+        xyxy = [c * scale for c in boxes[b]]  # xyxy pixels of the drawn image
+        if b in colour:
+            draw.rectangle(xyxy, outline=colour[b], width=3)
+            _tag(draw, (xyxy[0] + 3, xyxy[1] + 3), str(b), colour[b], font)
+        else:
+            draw.rectangle(xyxy, outline=UNLINKED, width=1)
+
+    text_width = PANEL_WIDTH - 2 * MARGIN
+    lines = [line for sentence in sentences for line in _wrap(sentence, font, text_width)]
+    fragments = [(f"{label}  {score:.2f}", b)
+                 for label, b, score in zip(triplet_labels, triplet_box, triplet_score,
+                                            strict=True)]
+    panel_height = (len(lines) + len(fragments) + 1) * line_height
+    height = max(picture.height, panel_height) + 2 * MARGIN
+    canvas = Image.new("RGB", (MARGIN + picture.width + PANEL_WIDTH, height), "white")
+    canvas.paste(picture, (MARGIN, MARGIN))
+    draw = ImageDraw.Draw(canvas)
+    x, y = MARGIN + picture.width + MARGIN, MARGIN
+    for line in lines:
+        draw.text((x, y), line, fill="black", font=font)
+        y += line_height
+    y += line_height  # a blank line between the sentences and the fragments
+    for text, b in fragments:
+        tag_right = _tag(draw, (x, y), str(b), colour[b], font)
+        draw.text((tag_right + 6, y), text, fill="black", font=font)
+        y += line_height
+    return canvas
+
+
+def _tag(draw: ImageDraw.ImageDraw, corner: tuple[float, float], text: str,
+         colour: tuple[int, int, int], font: ImageFont.FreeTypeFont) -> float:
+    """A filled `colour` label with `text` at `corner`; returns its right edge."""
+    left, top, right, bottom = draw.textbbox(corner, text, font=font)
+    draw.rectangle((left - 3, top - 2, right + 3, bottom + 2), fill=colour)
+    luminance = 0.299 * colour[0] + 0.587 * colour[1] + 0.114 * colour[2]
+    draw.text(corner, text, fill="black" if luminance > 140 else "white", font=font)
+    return right + 3
+
+
+def _wrap(text: str, font: ImageFont.FreeTypeFont, width: float) -> list[str]:
+    """Greedy word wrap of `text` into lines at most `width` pixels wide (long words overflow)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines

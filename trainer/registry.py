@@ -1,0 +1,280 @@
+"""The registered model: a self-contained folder, its registration in MLflow, and its download.
+
+A model folder holds `weights.safetensors` (the state dict), `config.json` (the run's Config),
+`vocab.json` (the Vocabulary), optionally `metrics.json`, and `checksums.json` (sha256 and size of
+every other file). Loading it never unpickles anything, and a folder that is incomplete, altered
+or padded with unlisted files is refused with a message naming the file.
+
+    python -m trainer.registry download models:/defrag@champion --dst DIR [--tracking-uri URI]
+    python -m trainer.registry verify DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlflow.artifacts
+from mlflow import MlflowClient
+from mlflow.environment_variables import MLFLOW_TRACKING_URI
+from mlflow.exceptions import MlflowException
+
+from trainer.config import Config, ModelConfig
+from trainer.tracking import connect
+
+# torch and the model are imported inside the functions that save or build a model, so the
+# download and verify commands start in seconds.
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.model import DeFragModel
+    from trainer.vocab import Vocabulary
+
+MODEL_FORMAT = 1
+WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS = (
+    "weights.safetensors", "config.json", "vocab.json", "metrics.json", "checksums.json")
+REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
+WORD_VECTORS = "sentence.word_vectors"  # W_e in the state dict: its width is the word_dim
+MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
+
+
+class ModelFolderError(ValueError):
+    """A model folder that is missing, incomplete, altered or inconsistent."""
+
+
+# ---------------------------------------------------------------- the folder
+
+
+def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config,
+                      vocab: Vocabulary, metrics: dict[str, Any] | None = None) -> Path:
+    """Write the model folder atomically: built beside `folder`, then renamed over it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        # Copies: safetensors refuses tensors that share storage (tied or viewed weights).
+        state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(state, staging / WEIGHTS, metadata={"format": str(MODEL_FORMAT)})
+        config.to_json(staging / CONFIG)
+        vocab.save(staging / VOCAB)
+        if metrics is not None:
+            (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        files = {p.name: _fingerprint(p) for p in sorted(staging.iterdir())}
+        (staging / CHECKSUMS).write_text(
+            json.dumps({"format": MODEL_FORMAT, "files": files}, indent=2))
+        if folder.exists():  # replace an older model: move it aside, move the new one in
+            retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+            folder.rename(retired)
+            staging.rename(folder)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
+
+
+def verify_model_folder(folder: str | Path) -> None:
+    """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelFolderError(f"{folder}: no such model folder")
+    try:
+        manifest = json.loads((folder / CHECKSUMS).read_text())
+        files = manifest["files"]
+        listed = {name: (entry["sha256"], entry["size"]) for name, entry in files.items()}
+    except FileNotFoundError as err:
+        raise ModelFolderError(f"{folder}: {CHECKSUMS} is missing; not a model folder, or an "
+                               "incomplete copy") from err
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ModelFolderError(f"{folder}: {CHECKSUMS} is malformed ({err!r})") from err
+    if manifest.get("format") != MODEL_FORMAT:
+        raise ModelFolderError(f"{folder}: model folder format {manifest.get('format')!r}, this "
+                               f"code reads format {MODEL_FORMAT}")
+    for name in REQUIRED_FILES:
+        if name not in listed:
+            raise ModelFolderError(f"{folder}: {CHECKSUMS} does not list {name}")
+    for name, (sha256, size) in listed.items():
+        path = folder / name
+        if name != path.name or name == CHECKSUMS:
+            raise ModelFolderError(f"{folder}: {CHECKSUMS} lists an invalid entry {name!r}")
+        if not path.is_file():
+            raise ModelFolderError(f"{folder}: {name} is missing (incomplete copy)")
+        if _fingerprint(path) != {"sha256": sha256, "size": size}:
+            raise ModelFolderError(f"{folder}: {name} does not match its checksum (altered or "
+                                   "truncated); download or export the model again")
+    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
+    if unlisted:
+        raise ModelFolderError(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
+
+
+def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabulary]:
+    """The verified model (eval mode), its training config and its vocabulary.
+
+    No pretrained weights or word-vector files are needed: the saved weights replace them.
+    """
+    from safetensors.torch import load_file
+
+    from trainer.model import DeFragModel
+    from trainer.vocab import Vocabulary
+
+    folder = Path(folder)
+    verify_model_folder(folder)
+    try:
+        config = Config.from_dict(json.loads((folder / CONFIG).read_text()))
+    except ValueError as err:
+        raise ModelFolderError(f"{folder / CONFIG}: not a valid config ({err})") from err
+    vocab = Vocabulary.load(folder / VOCAB)
+    state = load_file(folder / WEIGHTS)  # tensors only: nothing is unpickled or executed
+    model = DeFragModel.from_config(_standalone(config.model, state), vocab)
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    reshaped = sorted(k for k in expected.keys() & state.keys()
+                      if expected[k].shape != state[k].shape)
+    if missing or unexpected or reshaped:
+        raise ModelFolderError(f"{folder / WEIGHTS} does not fit {CONFIG} and {VOCAB}: missing "
+                               f"tensors {missing}, unexpected {unexpected}, other shapes "
+                               f"{reshaped}")
+    model.load_state_dict(state)
+    return model.eval(), config, vocab
+
+
+def _standalone(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig:
+    """`cfg` without external files (ImageNet weights, word vectors) and with the saved W_e's
+    width (a word-vector file may have overridden `word_dim` in training)."""
+    word_vectors = state.get(WORD_VECTORS)
+    word_dim = cfg.word_dim if word_vectors is None else word_vectors.shape[1]
+    return dataclasses.replace(cfg, pretrained=False, backbone_weights=None, word_vectors=None,
+                               word_dim=word_dim)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: str = "defrag",
+                   alias: str = "champion", artifact_path: str = "model") -> str:
+    """Log `folder` as the run's `artifact_path` artifacts, register it as a new version of
+    `name` and point `alias` at it; returns the version."""
+    verify_model_folder(folder)
+    if client.list_artifacts(run_id, artifact_path):
+        raise ValueError(f"run {run_id} already has artifacts under {artifact_path!r}; a new "
+                         "version must not share (and overwrite) an older version's files")
+    client.log_artifacts(run_id, str(folder), artifact_path)
+    try:
+        client.get_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        client.create_registered_model(name, description="DeFrag fragment embeddings: "
+                                       "safetensors weights, JSON config and vocabulary")
+    version = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}",
+                                          run_id=run_id).version
+    client.set_registered_model_alias(name, alias, version)
+    return str(version)
+
+
+def download_model(uri: str, dst: str | Path, tracking_uri: str | None = None) -> Path:
+    """Download `models:/NAME@ALIAS` or `models:/NAME/VERSION` into the new folder `dst`, verified.
+
+    The store is `tracking_uri`, else MLFLOW_TRACKING_URI. The files land beside `dst` first and
+    are renamed into place only once they verify, so `dst` never holds a partial model.
+    """
+    tracking_uri = tracking_uri or MLFLOW_TRACKING_URI.get()
+    if not tracking_uri:
+        raise ValueError(f"no tracking store: pass --tracking-uri or set {MLFLOW_TRACKING_URI.name}"
+                         " (a run's embedded store is sqlite:///<run dir>/mlflow.db)")
+    sqlite_file = Path(tracking_uri.removeprefix("sqlite:///"))
+    if tracking_uri.startswith("sqlite:///") and not sqlite_file.is_file():
+        raise FileNotFoundError(f"{tracking_uri}: no such sqlite tracking store")
+    match = MODEL_URI.fullmatch(uri)
+    if match is None:
+        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} exists and is not an empty folder; choose a new --dst")
+    client = connect(tracking_uri)
+    name, version = match["name"], _resolve_version(client, match, tracking_uri)
+    source = client.get_model_version_download_uri(name, version)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = dst.with_name(f".{dst.name}.download-{uuid.uuid4().hex[:8]}")
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri))
+        verify_model_folder(local)
+        local.rename(dst)  # replaces an empty dst folder
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dst
+
+
+def _resolve_version(client: MlflowClient, match: re.Match[str], tracking_uri: str) -> str:
+    """The version a parsed model URI names, with an error listing what exists when it does not."""
+    name = match["name"]
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        known = sorted(m.name for m in client.search_registered_models())
+        raise LookupError(f"no registered model {name!r} in {tracking_uri}; registered: "
+                          f"{known or 'none'}") from err
+    if match["alias"] is not None:
+        if match["alias"] not in model.aliases:
+            raise LookupError(f"model {name!r} has no alias {match['alias']!r}; aliases: "
+                              f"{sorted(model.aliases) or 'none'}")
+        return str(model.aliases[match["alias"]])
+    versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    if int(match["version"]) not in versions:
+        raise LookupError(f"model {name!r} has no version {match['version']}; versions: "
+                          f"{versions or 'none'}")
+    return match["version"]
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`download` a registered model into a verified folder, or `verify` a folder."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.registry", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    download = commands.add_parser("download", help="download and verify a registered model")
+    download.add_argument("uri", help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    download.add_argument("--dst", required=True, type=Path, help="new (or empty) folder")
+    download.add_argument("--tracking-uri", help=f"default: ${MLFLOW_TRACKING_URI.name}")
+    verify = commands.add_parser("verify", help="check a model folder against its checksums")
+    verify.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "download":
+            folder = download_model(args.uri, args.dst, args.tracking_uri)
+        else:
+            verify_model_folder(args.folder)
+            folder = args.folder
+    except (OSError, ValueError, LookupError, RuntimeError, MlflowException) as err:
+        sys.exit(f"{parser.prog} {args.command}: {err}")
+    print(folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""MLflow tracking of a training run: params, metrics, artifacts and pictures, from rank 0 only.
+
+The store is `MLFLOW_TRACKING_URI` when set (e.g. a shared `mlflow server`), else an embedded
+sqlite database `<run dir>/mlflow.db` with artifacts in `<run dir>/mlartifacts`. Two rules:
+a store that cannot be reached fails fast at start-up with a message saying what to do, and once
+the run has started a tracking failure is logged and counted but never stops the training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.environment_variables import (
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    MLFLOW_HTTP_REQUEST_TIMEOUT,
+    MLFLOW_TRACKING_URI,
+)
+from mlflow.exceptions import MlflowException
+from PIL import Image
+
+from trainer.config import Config
+
+log = logging.getLogger(__name__)
+
+# MLflow's HTTP client retries a failed request 7 times with exponential backoff (minutes) and
+# waits 120 s for an answer; a training step must not hang that long on a tracking call. These
+# are set only where the user has not set them (their values win).
+HTTP_DEFAULTS = {
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "2",  # ~3 s before a refused connection is a failure
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.name: "1",
+    MLFLOW_HTTP_REQUEST_TIMEOUT.name: "20",
+}
+# The start-up probe of an http(s) server: one try, a short wait.
+PROBE = {MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0", MLFLOW_HTTP_REQUEST_TIMEOUT.name: "5"}
+MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
+MAX_METRICS_PER_BATCH = 1000
+MAX_PENDING_METRICS = 100_000  # metrics kept for a store that is down; older ones are dropped
+
+T = TypeVar("T")
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be used at start-up (the run should not start without it)."""
+
+
+def connect(tracking_uri: str) -> MlflowClient:
+    """An MlflowClient for `tracking_uri`, after checking that an http(s) server answers.
+
+    The check is one MLflow request without retries (so MLflow's own auth and TLS settings
+    apply); it raises TrackingUnavailable naming the URI. Later requests get HTTP_DEFAULTS.
+    """
+    client = MlflowClient(tracking_uri=tracking_uri)
+    if tracking_uri.startswith(("http://", "https://")):
+        for name, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        try:
+            with _environment(PROBE):
+                client.search_experiments(max_results=1)
+        except MlflowException as err:
+            raise TrackingUnavailable(
+                f"MLflow tracking server {tracking_uri} cannot be used: {err}\nStart the server "
+                f"(mlflow server --host ... --port ...), fix {MLFLOW_TRACKING_URI.name}, or "
+                "unset it to track into the run directory's embedded store "
+                "(sqlite:///<run dir>/mlflow.db).") from err
+    return client
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Environment variables set to `values` inside the block, restored after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config sections as flat `section.key` entries (MLflow params are flat)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, prefix=f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _tolerant(kind: str) -> Callable[[Callable[..., T]], Callable[..., T | None]]:
+    """Decorator of the Tracker's store calls: nothing on a disabled tracker, and a failure is
+    warned about and counted, never raised (the training goes on without this record)."""
+
+    def decorate(method: Callable[..., T]) -> Callable[..., T | None]:
+        @functools.wraps(method)
+        def call(self: Tracker, *args: Any, **kwargs: Any) -> T | None:
+            if not self.enabled:
+                return None
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as err:  # any store, network or disk error: keep training
+                self._failed(kind, err)
+                return None
+
+        return call
+
+    return decorate
+
+
+class Tracker:
+    """One MLflow run seen from the trainer. Built by `Tracker.start`; on ranks other than 0 it
+    is disabled and every method does nothing, so the trainer calls it unconditionally.
+
+    Step metrics are buffered and sent in batches every `flush_seconds`. After a failed call,
+    metrics stay buffered and the next automatic send waits `pause_seconds`, so a store that is
+    down costs one failed call per pause, not one per step, and a restarted one gets them all.
+    """
+
+    def __init__(self, client: MlflowClient | None, run_id: str | None,
+                 tracking_uri: str | None, flush_seconds: float = 10.0,
+                 pause_seconds: float = 60.0) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.flush_seconds = flush_seconds
+        self.pause_seconds = pause_seconds
+        self._pending: list[Metric] = []
+        self._last_flush = time.monotonic()
+        self._paused_until = 0.0
+        self._failures: Counter[str] = Counter()
+        self._dropped_metrics = 0
+        self._finished = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.client is not None
+
+    @classmethod
+    def start(cls, config: Config, run_dir: str | Path, rank: int, run_name: str | None = None,
+              experiment: str = "defrag", resume_run_id: str | None = None) -> Tracker:
+        """Open the run (a new one, or `resume_run_id` after a restart) and log `config`.
+
+        Rank != 0 gets a disabled tracker and touches nothing. Raises TrackingUnavailable when
+        the store cannot be reached or the run cannot be opened.
+        """
+        if rank != 0:
+            return cls(client=None, run_id=None, tracking_uri=None)
+        run_dir = Path(run_dir).resolve()
+        tracking_uri = MLFLOW_TRACKING_URI.get()
+        artifact_location = None
+        if not tracking_uri:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tracking_uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+            artifact_location = (run_dir / "mlartifacts").as_uri()
+        client = connect(tracking_uri)
+        try:
+            if resume_run_id is None:
+                run = client.create_run(_experiment_id(client, experiment, artifact_location),
+                                        run_name=run_name)
+                run_id = run.info.run_id
+            else:
+                run_id = client.get_run(resume_run_id).info.run_id
+                client.update_run(run_id, status="RUNNING")
+        except Exception as err:
+            what = (f"resume run {resume_run_id} (it must be in the store the run started in)"
+                    if resume_run_id else f"start a run in experiment {experiment!r}")
+            raise TrackingUnavailable(f"MLflow tracking store {tracking_uri}: cannot {what}: "
+                                      f"{err}") from err
+        tracker = cls(client, run_id, tracking_uri)
+        log.info("tracking: MLflow run %s in %s", run_id, tracking_uri)
+        tracker.log_params(config)
+        return tracker
+
+    @_tolerant("params")
+    def log_params(self, config: Config) -> None:
+        """The full config as flat `section.key` params, and config.json as an artifact."""
+        params = [Param(key, str(value)) for key, value in flatten(config.to_dict()).items()]
+        for first in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id,
+                                  params=params[first:first + MAX_PARAMS_PER_BATCH])
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / "config.json"
+            config.to_json(path)
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Queue metrics (floats or 0-d tensors) at `step`; sent every `flush_seconds`."""
+        if not self.enabled:
+            return
+        timestamp = int(time.time() * 1000)
+        self._pending.extend(Metric(key, float(value), timestamp, step)
+                             for key, value in metrics.items())
+        if len(self._pending) > MAX_PENDING_METRICS:
+            excess = len(self._pending) - MAX_PENDING_METRICS
+            del self._pending[:excess]
+            self._dropped_metrics += excess
+        now = time.monotonic()
+        due = (now - self._last_flush >= self.flush_seconds
+               or len(self._pending) >= MAX_METRICS_PER_BATCH)
+        if due and now >= self._paused_until:
+            self.flush()
+
+    @_tolerant("metrics")
+    def flush(self) -> None:
+        """Send the queued metrics now (e.g. after a validation). On failure they are kept for
+        the next send, unless the store refused them as invalid (a retry could not help)."""
+        self._last_flush = time.monotonic()
+        while self._pending:
+            batch = self._pending[:MAX_METRICS_PER_BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except MlflowException as err:
+                if err.error_code == "INVALID_PARAMETER_VALUE":  # e.g. a malformed metric name
+                    del self._pending[:len(batch)]
+                    self._dropped_metrics += len(batch)
+                raise
+            del self._pending[:len(batch)]
+
+    @_tolerant("artifacts")
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a file or a folder into the run's artifacts (under `artifact_path`)."""
+        if Path(path).is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    @_tolerant("images")
+    def log_image(self, image: Image.Image, name: str) -> None:
+        """Save a picture as the artifact file `name`, e.g. "alignments/epoch-03.png"."""
+        self.client.log_image(self.run_id, image, artifact_file=name)
+
+    @_tolerant("registry")
+    def register_model(self, folder: str | Path, name: str = "defrag",
+                       alias: str = "champion", artifact_path: str = "model") -> str | None:
+        """Register a model folder (trainer.registry) from this run; its version, None on failure.
+
+        A run that registers several models (e.g. each new best) passes a distinct artifact_path.
+        """
+        from trainer.registry import register_model  # trainer.registry imports this module
+
+        return register_model(self.client, self.run_id, folder, name, alias, artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Send what is queued and close the run as FINISHED, FAILED or KILLED (once)."""
+        if not self.enabled or self._finished:
+            return
+        self._finished = True
+        self.flush()
+        self._terminate(status)
+        if self._failures or self._dropped_metrics or self._pending:
+            log.warning("tracking: run %s in %s is incomplete: failed calls %s, metrics never "
+                        "sent %d", self.run_id, self.tracking_uri, dict(self._failures),
+                        self._dropped_metrics + len(self._pending))
+
+    @_tolerant("finish")
+    def _terminate(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """FINISHED on success, KILLED on Ctrl-C, FAILED on any other exception."""
+        if kind is None:
+            self.finish("FINISHED")
+        else:
+            self.finish("KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED")
+
+    def _failed(self, kind: str, err: Exception) -> None:
+        self._failures[kind] += 1
+        self._paused_until = time.monotonic() + self.pause_seconds
+        if self._failures[kind] == 1:
+            log.warning("tracking: %s failed for run %s in %s (%s: %s); training continues; "
+                        "further %s failures are only counted (summary at the end)",
+                        kind, self.run_id, self.tracking_uri, type(err).__name__, err, kind)
+
+
+def _experiment_id(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    """The id of experiment `name`, created (with `artifact_location`) when it does not exist."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location=artifact_location)
