@@ -68,12 +68,46 @@ class OptimConfig:
 
 
 @dataclass
+class DataConfig:
+    """The featurizer's shards and how they are streamed (trainer/data.py)."""
+
+    shards: str | None = None  # featurizer output folder: manifest.json, vocab.json, <split>/
+    train_split: str = "train"
+    val_split: str = "val"  # split validated every epoch; Flickr8k/30k call theirs "dev"
+    workers: int = 2  # loader processes per rank (decode + resize); 0: in the training process
+    shuffle_buffer: int = 1000  # pairs each rank shuffles in (0: the order they are read)
+    resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
+    epoch_pairs: int | None = None  # pairs per virtual epoch when resampled; None: the split's
+    max_boxes: int = 20  # image fragments per image, whole image included (3.2: 19 + image)
+    seed: int | None = None  # data order: shard deal and shuffles; None: the run's seed
+
+
+@dataclass
 class EvalConfig:
     """Retrieval evaluation (trainer/evaluate.py)."""
 
     chunk_images: int = 64  # image rows per block of the chunked score matrix
-    chunk_sentences: int = 2048  # sentence columns per block
+    chunk_sentences: int = 512  # sentence columns per block
     hodosh: bool = False  # also report the first-sentence-per-image protocol
+
+
+@dataclass
+class RunConfig:
+    """Engine, devices, checkpoints and fault handling of a training run (trainer/main.py)."""
+
+    run_dir: str = "runs/defrag"  # checkpoints, best model, embedded MLflow store
+    engine: str = "ddp"  # ddp | deepspeed
+    deepspeed_config: str = "launch/deepspeed/zero1.json"  # used when engine = deepspeed
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
+    bf16: bool = False  # bf16 autocast on CUDA (ignored on CPU, where it breaks BatchNorm)
+    global_negatives: bool = True  # all-gather fragments: negatives span the global batch
+    cache_frozen_features: bool = True  # phase 1: compute each box's frozen-CNN features once
+    checkpoint_every_steps: int = 0  # also checkpoint every K steps (0: only at epoch ends)
+    keep_checkpoints: int = 2  # newest step checkpoints kept on disk
+    nonfinite_loss: str = "skip"  # skip the step | stop the run, on a NaN or inf loss
+    log_every_steps: int = 10
+    register_name: str = "defrag"  # MLflow registered model name of the best checkpoint
+    register_alias: str = "champion"
 
 
 @dataclass
@@ -81,9 +115,11 @@ class Config:
     """The whole run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:

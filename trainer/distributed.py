@@ -8,6 +8,8 @@ the ranks' parameter gradients sum to those of one process on the whole batch.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +70,44 @@ def gather_global_batch(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
         image_key=all_gather_rows(image_key, pairs, group),
         own_pairs=own_pairs,
     )
+
+
+@dataclass
+class DistContext:
+    """Where this process sits: its rank, the world size and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join the process group torchrun describes (or a group of one): NCCL on GPU, else gloo."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device {device!r}: expected auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device is cuda but torch sees no GPU; use run.device=cpu")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(where)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
+                                world_size=world_size, device_id=where if use_cuda else None)
+    return DistContext(rank, world_size, local_rank, where)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -14,6 +14,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.config import Config
+from trainer.data import EvalSet
+from trainer.model import DeFragModel
+
 RECALL_AT = (1, 5, 10)
 
 
@@ -114,6 +118,35 @@ def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owne
     image_norm = torch.where(v_count > 0, 1 / v_count.to(scores.dtype), 0)
     sentence_norm = torch.where(s_count > 0, 1 / (s_count.to(scores.dtype) + smooth), 0)
     return scores.mul_(image_norm[:, None]).mul_(sentence_norm)
+
+
+@torch.no_grad()
+def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device | str = "cpu",
+                   image_batch: int = 32) -> tuple[torch.Tensor, ...]:
+    """Fragment embeddings of a whole eval set: (v, v_image, s, s_sentence), on the CPU."""
+    was_training = model.training
+    model.eval()
+    v, v_image = [], []
+    for chunk in eval_set.image_batches(image_batch, device):
+        v.append(model.image(chunk.images, chunk.boxes, chunk.box_image).float().cpu())
+        v_image.append(chunk.box_image.cpu() + chunk.first)
+    s = model.sentence(eval_set.fragments.to(device)).float().cpu()
+    model.train(was_training)
+    return torch.cat(v), torch.cat(v_image), s, eval_set.fragment_sentence
+
+
+def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
+                   device: torch.device | str = "cpu", progress: bool = False) -> dict[str, float]:
+    """retrieval_metrics of `model` on `eval_set` (plus hodosh_* keys when cfg.eval.hodosh)."""
+    v, v_image, s, s_sentence = embed_eval_set(model, eval_set, device)
+    scores = score_matrix(v, v_image, s, s_sentence, eval_set.num_images,
+                          eval_set.num_sentences, cfg.objective.smooth, cfg.eval.chunk_images,
+                          cfg.eval.chunk_sentences, progress=progress)
+    metrics = retrieval_metrics(scores, eval_set.sentence_image)
+    if cfg.eval.hodosh:
+        hodosh = hodosh_metrics(scores, eval_set.sentence_image)
+        metrics.update({f"hodosh_{key}": value for key, value in hodosh.items()})
+    return metrics
 
 
 def _group_by_owner(x: torch.Tensor, owner: torch.Tensor,

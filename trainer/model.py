@@ -183,10 +183,15 @@ class DeFragModel(nn.Module):
         return cls(sentence, image)
 
     def forward(self, images: torch.Tensor, boxes: torch.Tensor, box_image: torch.Tensor,
-                fragments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                fragments: torch.Tensor,
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image fragments v [Nv, embed_dim] (eq. 2) and sentence fragments s [Ns, embed_dim]
-        (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs."""
-        return self.image(images, boxes, box_image), self.sentence(fragments)
+        (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs.
+        Given `features` (the boxes' CNN features, e.g. cached from a frozen CNN), the CNN is
+        skipped."""
+        if features is None:
+            features = self.image.region_features(images, boxes, box_image)
+        return self.image.project(features), self.sentence(fragments)
 
     def cnn_parameters(self) -> list[nn.Parameter]:
         """The CNN's parameters (its own optimizer group: lr scale, phase-2 finetuning)."""

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 FRAGMENT_MODES = ("triplet", "bow", "bigram")
@@ -58,7 +59,7 @@ class Vocabulary:
                     if a in self.word_index and b in self.word_index]
         else:
             raise ValueError(f"fragment mode {mode!r}: expected one of {FRAGMENT_MODES}")
-        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+        return torch.from_numpy(np.array(rows, dtype=np.int64).reshape(-1, 3))
 
     def save(self, path: str | Path) -> None:
         data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}

@@ -1,0 +1,102 @@
+"""Train DeFrag: `torchrun --nproc_per_node N -m trainer.main --config FILE [section.key=value]`.
+
+Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
+latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
+(trainer/train.py), and registers the best model in MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import TrainState, clear_partial, latest_checkpoint, load_state
+from trainer.config import Config
+from trainer.distributed import DistContext, init_distributed
+from trainer.model import DeFragModel
+from trainer.tracking import Tracker
+from trainer.train import Trainer
+from trainer.vocab import Vocabulary
+
+log = logging.getLogger("trainer")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="trainer.main", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config file (trainer/config.py lists every key)")
+    parser.add_argument("--resume", default="latest",
+                        help="'latest' (default: the run's newest checkpoint, if any), "
+                             "'none' (start over), or a checkpoint folder")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=0.01")
+    return parser.parse_args(argv)
+
+
+def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    if resume == "none":
+        return None
+    if resume == "latest":
+        return latest_checkpoint(run_dir)
+    folder = Path(resume)
+    if not (folder / "state.json").is_file():
+        raise FileNotFoundError(f"--resume {resume}: not a checkpoint folder (no state.json)")
+    return folder
+
+
+def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
+    run_dir = Path(cfg.run.run_dir)
+    torch.manual_seed(cfg.seed)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        clear_partial(run_dir)
+    vocab = Vocabulary.load(Path(cfg.data.shards) / "vocab.json")
+    model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed).to(ctx.device)
+    checkpoint = find_checkpoint(resume, run_dir)
+    state = load_state(checkpoint) if checkpoint else TrainState()
+    tracker = Tracker.start(cfg, run_dir, ctx.rank, resume_run_id=state.mlflow_run_id)
+    trainer = Trainer(cfg, ctx, model, vocab, tracker, state)
+    if checkpoint:
+        trainer.resume(checkpoint)
+    state = trainer.fit()
+    summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_rsum,
+               "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
+               "tracking_uri": tracker.tracking_uri}
+    if ctx.is_main and state.best_epoch >= 0:
+        version = tracker.register_model(run_dir / "best", cfg.run.register_name,
+                                         cfg.run.register_alias)
+        summary["registered"] = f"models:/{cfg.run.register_name}@{cfg.run.register_alias}"
+        summary["version"] = version
+    tracker.finish()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    code = 0
+    try:
+        cfg = Config.load(args.config, args.overrides)
+        ctx = init_distributed(cfg.run.device)
+        summary = train(cfg, ctx, args.resume)
+        if ctx.is_main:
+            print(json.dumps(summary))
+    except Exception:
+        log.exception("training failed")
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # DeepSpeed processes sometimes abort at interpreter exit (DESIGN.md 7): leave directly.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The training loop, as the paper's Section 3.4 describes it.
+
+    for each epoch:
+        phase 1 (the first `frozen_cnn_epochs`): objective C_0 (no MIL), CNN fixed
+        phase 2: objective C_F (MIL) and the CNN finetuned end to end
+        lr x anneal_factor for the last `anneal_last_epochs` epochs
+        for each batch: embed fragments, gather them over ranks, C_F + beta C_G, SGD step
+        validate (retrieval on the val split), keep the best model by val rsum, checkpoint
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from trainer.checkpoint import TrainState, save_checkpoint
+from trainer.config import Config
+from trainer.data import Batch, load_eval_set, make_train_loader
+from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
+from trainer.engine import build_engine
+from trainer.evaluate import evaluate_model
+from trainer.model import DeFragModel
+from trainer.objectives import DeFragLoss, same_group_entries
+from trainer.registry import save_model_folder
+from trainer.tracking import Tracker
+from trainer.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+
+def finetunes_cnn(epoch: int, cfg: Config) -> bool:
+    """Phase 2 (MIL + CNN finetuning) starts after `frozen_cnn_epochs` epochs (paper 3.4)."""
+    return epoch >= cfg.optim.frozen_cnn_epochs
+
+
+def learning_rate(epoch: int, cfg: Config) -> float:
+    """The cross-validated lr, x anneal_factor for the last epochs (paper 3.4)."""
+    annealed = epoch >= cfg.optim.epochs - cfg.optim.anneal_last_epochs
+    return cfg.optim.lr * (cfg.optim.anneal_factor if annealed else 1.0)
+
+
+def image_fragments_per_pair(v_box: torch.Tensor, batch: Batch) -> tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+    """Each pair owns the box embeddings of its image: (v [Nv, d], v_owner [Nv])."""
+    pairs, boxes = same_group_entries(batch.pair_image, batch.box_image)
+    return v_box[boxes], pairs
+
+
+class FeatureCache:
+    """Phase 1: the fixed CNN's box features, computed once per image and reused every epoch."""
+
+    def __init__(self) -> None:
+        self.features: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def lookup(self, model: DeFragModel, batch: Batch) -> torch.Tensor:
+        missing = [i for i, key in enumerate(batch.image_ids) if key not in self.features]
+        if missing:
+            fresh = model.image.region_features(batch.images, batch.boxes, batch.box_image)
+            for i in missing:
+                self.features[batch.image_ids[i]] = fresh[batch.box_image == i].cpu()
+        rows = [self.features[key] for key in batch.image_ids]
+        out = torch.empty(len(batch.boxes), rows[0].shape[1], device=batch.boxes.device)
+        for i, features in enumerate(rows):
+            out[batch.box_image == i] = features.to(out.device)
+        return out
+
+
+class Trainer:
+    """Runs the epochs of one training run on one rank; rank 0 validates, logs and saves."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, model: DeFragModel, vocab: Vocabulary,
+                 tracker: Tracker, state: TrainState) -> None:
+        self.cfg, self.ctx, self.model, self.vocab = cfg, ctx, model, vocab
+        self.tracker, self.state = tracker, state
+        self.run_dir = Path(cfg.run.run_dir)
+        self.per_rank_batch = cfg.optim.batch_size // ctx.world_size
+        if self.per_rank_batch < 1:
+            raise ValueError(f"optim.batch_size {cfg.optim.batch_size} is smaller than the "
+                             f"{ctx.world_size} ranks; it is the GLOBAL batch size")
+        self.loss_fn = DeFragLoss(cfg.objective.beta, cfg.objective.margin, cfg.objective.smooth,
+                                  cfg.objective.mil, cfg.objective.balance,
+                                  cfg.objective.use_fragment, cfg.objective.use_global)
+        self.cache = FeatureCache() if cfg.run.cache_frozen_features else None
+        self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
+        self.engine = None
+        self.engine_finetunes: bool | None = None
+
+    def prepare_engine(self, epoch: int) -> None:
+        """Build (or rebuild at the phase switch) the engine for this epoch's phase."""
+        finetune = finetunes_cnn(epoch, self.cfg)
+        if self.engine is None or finetune != self.engine_finetunes:
+            self.engine = build_engine(self.model, self.cfg, finetune, self.ctx.device,
+                                       self.ctx.world_size)
+            self.engine_finetunes = finetune
+            self.loss_fn.mil = self.cfg.objective.mil and finetune
+
+    def resume(self, folder: Path) -> None:
+        """Continue from a checkpoint: the weights, and the optimizer unless the phase changed."""
+        self.prepare_engine(self.state.epoch)
+        same_phase = self.engine_finetunes == self.state.finetunes_cnn
+        self.engine.load(folder, with_optimizer=same_phase)
+        log.info("resumed from %s (epoch %d, step %d)", folder, self.state.epoch,
+                 self.state.global_step)
+
+    def fit(self) -> TrainState:
+        for epoch in range(self.state.epoch, self.cfg.optim.epochs):
+            self.prepare_engine(epoch)
+            self.state.epoch = epoch
+            self.train_epoch(epoch)
+            self.end_epoch(epoch)
+        return self.state
+
+    def train_epoch(self, epoch: int) -> None:
+        lr = learning_rate(epoch, self.cfg)
+        self.engine.set_lr(lr)
+        self.model.train()
+        loader, steps = make_train_loader(self.cfg, self.vocab, self.ctx.rank,
+                                          self.ctx.world_size, epoch, self.per_rank_batch)
+        bar = tqdm(total=steps, initial=self.state.step_in_epoch, desc=f"epoch {epoch}",
+                   disable=not self.ctx.is_main, dynamic_ncols=True)
+        started, pairs_seen = time.perf_counter(), 0
+        for index, batch in enumerate(loader):
+            if index >= steps:
+                break
+            if index < self.state.step_in_epoch:  # resumed mid-epoch: replay the order
+                continue
+            losses = self.train_step(batch.to(self.ctx.device), epoch)
+            self.state.step_in_epoch = index + 1
+            self.state.global_step += 1
+            pairs_seen += len(batch.image_key) * self.ctx.world_size
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses['loss']:.4f}")
+            if self.state.global_step % self.cfg.run.log_every_steps == 0:
+                rate = pairs_seen / (time.perf_counter() - started)
+                self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
+                                          "train/lr": lr, "train/pairs_per_s": rate},
+                                         step=self.state.global_step)
+            every = self.cfg.run.checkpoint_every_steps
+            if every and self.state.global_step % every == 0 and self.state.step_in_epoch < steps:
+                self.checkpoint()
+        bar.close()
+
+    def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
+        """One SGD step on the global batch; returns the global loss terms."""
+        features = None
+        if self.cache is not None and not finetunes_cnn(epoch, self.cfg):
+            features = self.cache.lookup(self.model, batch)
+        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
+                            enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
+            v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, batch.fragments,
+                                   features=features)
+        v, v_owner = image_fragments_per_pair(v_box.float(), batch)
+        s, s_owner = s.float(), batch.fragment_pair
+        world = self.ctx.world_size
+        if self.cfg.run.global_negatives and world > 1:
+            g = gather_global_batch(v, v_owner, s, s_owner, batch.image_key)
+            out = self.loss_fn(g.v, g.v_owner, g.s, g.s_owner, g.image_key,
+                               own_pairs=g.own_pairs, sum_over_ranks=sum_over_ranks)
+            # Rank losses sum to the global loss; the engines average gradients over ranks.
+            scale, to_global = float(world), 1.0
+        else:
+            out = self.loss_fn(v, v_owner, s, s_owner, batch.image_key)
+            scale, to_global = 1.0, 1.0 / world
+        values = torch.stack([out["loss"], out["fragment"], out["global"]]).detach()
+        if world > 1:
+            values = sum_over_ranks(values) * to_global
+        if not bool(torch.isfinite(values).all()):
+            return self.nonfinite_loss(values)
+        self.engine.backward(out["loss"] * scale)
+        self.engine.step()
+        return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
+
+    def nonfinite_loss(self, values: torch.Tensor) -> dict[str, float]:
+        """A NaN / inf loss: every rank sees the same all-reduced value and acts alike."""
+        message = (f"non-finite loss {values.tolist()} at step {self.state.global_step} "
+                   f"(epoch {self.state.epoch}); the last checkpoint is untouched")
+        if self.cfg.run.nonfinite_loss == "stop":
+            raise FloatingPointError(message + "; stopping (run.nonfinite_loss=stop)")
+        log.warning("%s; skipping the step (run.nonfinite_loss=skip)", message)
+        self.engine.skip_step()
+        return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
+
+    def end_epoch(self, epoch: int) -> None:
+        """Validate on rank 0, keep the best model by val rsum, checkpoint (all ranks)."""
+        metrics = self.validate(epoch)
+        self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
+        if metrics["rsum"] > self.state.best_rsum:
+            self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
+            if self.ctx.is_main:
+                save_model_folder(self.run_dir / "best", self.model, self.cfg, self.vocab,
+                                  {**metrics, "epoch": epoch})
+        self.checkpoint()
+
+    def validate(self, epoch: int) -> dict[str, float]:
+        """Retrieval metrics of the val split on rank 0; every rank learns the val rsum."""
+        rsum = torch.zeros(1)
+        metrics: dict[str, float] = {}
+        if self.ctx.is_main:
+            metrics = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device)
+            rsum[0] = metrics["rsum"]
+            self.tracker.log_metrics({f"val/{k}": v for k, v in metrics.items()},
+                                     step=self.state.global_step)
+            log.info("epoch %d val: %s", epoch,
+                     " ".join(f"{k}={v:.1f}" for k, v in metrics.items()))
+        if self.ctx.world_size > 1:
+            dist.broadcast(rsum, src=0)
+        return {**metrics, "rsum": float(rsum[0])}
+
+    def checkpoint(self) -> None:
+        self.state.mlflow_run_id = self.tracker.run_id
+        self.state.finetunes_cnn = bool(self.engine_finetunes)
+        save_checkpoint(self.engine, self.state, self.run_dir, self.ctx.rank,
+                        self.cfg.run.keep_checkpoints)
