@@ -532,12 +532,17 @@ def load_eval_set(cfg: Config, vocab: Vocabulary, split: str | None = None,
     """The eval set of `split` (default data.val_split) of data.shards, read in shard order in
     this process: the first `max_images` usable images (default all)."""
     split_shards = read_split(cfg.data.shards, cfg.data.val_split if split is None else split)
+    return eval_set_from_shards(split_shards.urls, cfg, vocab, split_shards.name, max_images)
+
+
+def eval_set_from_shards(urls: list[str], cfg: Config, vocab: Vocabulary, name: str,
+                         max_images: int | None = None) -> EvalSet:
+    """An EvalSet from explicit shard files, e.g. a new dataset featurized with a model's tables."""
     skipped: list[str] = []
-    decoded = _decode(_read_shards(split_shards.urls), SampleDecoder.from_config(cfg, vocab),
-                      skipped)
+    decoded = _decode(_read_shards(urls), SampleDecoder.from_config(cfg, vocab), skipped)
     images = list(itertools.islice(decoded, max_images))
     if not images:
-        raise ValueError(f"split {split_shards.name!r} has no usable image (skipped: {skipped})")
+        raise ValueError(f"{name}: no usable image in {len(urls)} shard(s) (skipped: {skipped})")
     pairs = [pair for image in images for pair in image.pairs()]
     batch = collate(pairs)
     return EvalSet(pixels=batch.images, boxes=batch.boxes, box_image=batch.box_image,

@@ -8,15 +8,21 @@ convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh 
 
 from __future__ import annotations
 
+import argparse
+import glob
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
+from braceexpand import braceexpand
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.data import EvalSet
+from trainer.data import EvalSet, eval_set_from_shards, read_split
 from trainer.model import DeFragModel
+from trainer.registry import load_model_folder
 
 RECALL_AT = (1, 5, 10)
 
@@ -199,3 +205,46 @@ def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners
     if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= num_owners):
         raise ValueError(f"{name}_owner must hold indices in [0, {num_owners}): got values from "
                          f"{int(owner.min())} to {int(owner.max())}")
+
+
+def shard_files(pattern: str, split: str | None) -> list[str]:
+    """Shard paths from a featurizer output folder (+ split), a brace pattern or a glob."""
+    if Path(pattern).is_dir():
+        if split is None:
+            raise ValueError(f"{pattern} is a featurizer output folder: also pass --split")
+        return read_split(pattern, split).urls
+    files = sorted({path for expanded in braceexpand(pattern) for path in glob.glob(expanded)})
+    if not files:
+        raise FileNotFoundError(f"--shards {pattern!r} matches no file")
+    return files
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m trainer.evaluate --model DIR --shards PATTERN`: metrics, last line JSON."""
+    parser = argparse.ArgumentParser(prog="trainer.evaluate", description=main.__doc__)
+    parser.add_argument("--model", required=True, help="a registered model folder")
+    parser.add_argument("--shards", required=True,
+                        help="featurizer output folder (with --split), or a shard pattern such "
+                             "as 'data/test/shard-{000000..000004}.tar'")
+    parser.add_argument("--split", help="split of a featurizer output folder")
+    parser.add_argument("--max-images", type=int, help="only the first N images")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+
+    model, cfg, vocab = load_model_folder(args.model)
+    model.to(args.device)
+    urls = shard_files(args.shards, args.split)
+    eval_set = eval_set_from_shards(urls, cfg, vocab, args.shards, args.max_images)
+    metrics = evaluate_model(model, eval_set, cfg, args.device, progress=True)
+    chance = {k: 100.0 * min(k, eval_set.num_images) / eval_set.num_images for k in RECALL_AT}
+    print(f"{eval_set.num_images} images, {eval_set.num_sentences} sentences "
+          f"({len(eval_set.skipped)} skipped) from {len(urls)} shard(s)")
+    for direction, name in (("i2t", "image annotation"), ("t2i", "image search")):
+        recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
+                           for k in RECALL_AT)
+        print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
+    print(json.dumps({"model": args.model, "shards": args.shards, **metrics}))
+
+
+if __name__ == "__main__":
+    main()
