@@ -22,12 +22,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# The embedded default: synthetic scenes -> shards -> 2-process torchrun training -> evaluation.
+DEMO := runs/demo
+demo: $(STAMP)
+	$(BIN)/python -m featurizer synthetic --out $(DEMO)/data --shard-size 100
+	$(BIN)/torchrun --nproc_per_node 2 -m trainer.main --config launch/configs/demo.yaml
+	$(BIN)/python -m trainer.evaluate --model $(DEMO)/run/best --shards $(DEMO)/data --split val
+	@echo "MLflow UI: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(DEMO)/run/mlflow.db" \
+	     "--default-artifact-root $(DEMO)/run/mlartifacts, then open http://127.0.0.1:5000"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_objective.py
-	$(BIN)/python benchmarks/bench_eval.py
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

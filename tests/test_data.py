@@ -18,9 +18,6 @@ import torch.multiprocessing as mp
 import webdataset as wds
 from PIL import Image
 
-from featurizer.pipeline import Settings, featurize
-from featurizer.sources import read_jsonl
-from featurizer.synthetic import generate
 from trainer.config import Config
 from trainer.data import (
     Batch,
@@ -35,18 +32,6 @@ from trainer.evaluate import retrieval_metrics, score_matrix
 from trainer.vocab import Vocabulary
 
 SIZE = 64  # model.image_size in these tests; the synthetic images are 128 x 128
-NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val shards
-
-
-@pytest.fixture(scope="session")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
-    root = tmp_path_factory.mktemp("synthetic")
-    jsonl = generate(root / "source", NUM_TRAIN, NUM_VAL, seed=0)
-    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
-              Settings(out=root, parser="spacy", boxes="given", shard_size=SHARD_SIZE,
-                       workers=1))
-    return root
 
 
 @pytest.fixture(scope="session")

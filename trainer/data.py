@@ -535,12 +535,18 @@ def load_eval_set(cfg: Config, vocab: Vocabulary, split: str | None = None,
     return eval_set_from_shards(split_shards.urls, cfg, vocab, split_shards.name, max_images)
 
 
+def read_images(urls: list[str], cfg: Config, vocab: Vocabulary,
+                skipped: list[str]) -> Iterator[CaptionedImage]:
+    """The usable images of `urls` in shard order, decoded in this process (unusable ones are
+    listed in `skipped`)."""
+    return _decode(_read_shards(urls), SampleDecoder.from_config(cfg, vocab), skipped)
+
+
 def eval_set_from_shards(urls: list[str], cfg: Config, vocab: Vocabulary, name: str,
                          max_images: int | None = None) -> EvalSet:
     """An EvalSet from explicit shard files, e.g. a new dataset featurized with a model's tables."""
     skipped: list[str] = []
-    decoded = _decode(_read_shards(urls), SampleDecoder.from_config(cfg, vocab), skipped)
-    images = list(itertools.islice(decoded, max_images))
+    images = list(itertools.islice(read_images(urls, cfg, vocab, skipped), max_images))
     if not images:
         raise ValueError(f"{name}: no usable image in {len(urls)} shard(s) (skipped: {skipped})")
     pairs = [pair for image in images for pair in image.pairs()]

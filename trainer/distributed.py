@@ -102,6 +102,7 @@ def init_distributed(device: str = "auto") -> DistContext:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))  # DeepSpeed reads it
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
                                 world_size=world_size, device_id=where if use_cuda else None)
     return DistContext(rank, world_size, local_rank, where)

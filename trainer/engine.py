@@ -91,8 +91,7 @@ class DeepSpeedEngine:
         ds_config["gradient_accumulation_steps"] = 1
         ds_config.pop("train_batch_size", None)
         ds_config["bf16"] = {"enabled": bf16}
-        if cfg.optim.grad_clip:
-            ds_config["gradient_clipping"] = cfg.optim.grad_clip
+        ds_config["gradient_clipping"] = cfg.optim.grad_clip or 0.0  # DeepSpeed's default: 1.0
         self.module = model
         self.wrapped, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)

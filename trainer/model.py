@@ -80,6 +80,9 @@ class ImageEncoder(nn.Module):
         self.roi_output_size = roi_output_size
         self.freeze_batchnorm = freeze_batchnorm
         self.cnn_trainable = True
+        # The ImageNet classifier is not part of eq. 2: never trained (DDP would wait for its
+        # gradients forever).
+        backbone.classifier.requires_grad_(False)
         self.projection = nn.Linear(backbone.feature_dim, embed_dim)  # W_m, b_m
         # LeCun init (no nonlinearity follows): v keeps the CNN features' per-dimension scale.
         nn.init.normal_(self.projection.weight, std=backbone.feature_dim ** -0.5)
@@ -124,7 +127,7 @@ class ImageEncoder(nn.Module):
         BatchNorm statistics, so its features are a pure function of the pixels (cacheable).
         """
         self.cnn_trainable = flag
-        for parameter in self.backbone.parameters():
+        for parameter in self.backbone.features.parameters():
             parameter.requires_grad_(flag)
         if self.freeze_batchnorm:
             for module in self._batchnorms():
@@ -149,7 +152,7 @@ class ImageEncoder(nn.Module):
         frozen = set()
         if self.freeze_batchnorm:
             frozen = {id(p) for module in self._batchnorms() for p in module.parameters()}
-        return [p for p in self.backbone.parameters() if id(p) not in frozen]
+        return [p for p in self.backbone.features.parameters() if id(p) not in frozen]
 
     def _batchnorms(self) -> Iterator[nn.Module]:
         return (m for m in self.backbone.modules() if isinstance(m, BATCHNORMS))

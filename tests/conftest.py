@@ -1,0 +1,24 @@
+"""Fixtures shared by the test files: a small real shard set of the synthetic dataset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
+
+NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val shards
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
+    root = tmp_path_factory.mktemp("synthetic")
+    jsonl = generate(root / "source", NUM_TRAIN, NUM_VAL, seed=0)
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=root, parser="spacy", boxes="given", shard_size=SHARD_SIZE,
+                       workers=1))
+    return root
