@@ -103,7 +103,14 @@ def init_distributed(device: str = "auto") -> DistContext:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("LOCAL_RANK", str(local_rank))  # DeepSpeed reads it
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        # torchrun keeps one store across restarts: a restarted group must not read the
+        # addresses its killed predecessors published there.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"defrag-attempt-{attempt}", store)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, device_id=where if use_cuda else None)
     return DistContext(rank, world_size, local_rank, where)
 

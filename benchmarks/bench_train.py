@@ -1,0 +1,124 @@
+"""Trainer step throughput on CPU: 1 and 2 processes, CNN frozen (phase 1) and finetuned (phase 2),
+and the finetuning step's overhead over the bare CNN forward + backward on the same boxes.
+
+The floor is measured in the same run: RoIAlign region features of the batch's boxes, summed and
+backpropagated through the CNN (the work a finetuning step cannot avoid). The step adds the
+sentence encoder, W_m, the gather, the objective and the SGD update.
+
+    python benchmarks/bench_train.py [--shards DIR] [--batch 50] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
+from trainer.checkpoint import TrainState
+from trainer.config import Config
+from trainer.data import make_train_loader
+from trainer.distributed import DistContext
+from trainer.model import DeFragModel
+from trainer.tracking import Tracker
+from trainer.train import Trainer
+from trainer.vocab import Vocabulary
+
+
+def make_config(shards: str, batch: int, image_size: int) -> Config:
+    return Config.from_dict({
+        "model": {"embed_dim": 1000, "image_size": image_size},
+        "data": {"shards": shards, "workers": 0},
+        "optim": {"batch_size": batch, "lr": 0.001, "frozen_cnn_epochs": 1, "epochs": 2},
+    })
+
+
+def median_seconds(fn, batches) -> float:
+    fn(batches[0])  # warm-up (and, in phase 1, fills the feature cache)
+    times = []
+    for batch in batches[1:]:
+        start = time.perf_counter()
+        fn(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(rank: int, world_size: int, shards: str, args, results: dict) -> None:
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    cfg = make_config(shards, args.batch, args.image_size)
+    vocab = Vocabulary.load(Path(shards) / "vocab.json")
+    ctx = DistContext(rank, world_size, rank, torch.device("cpu"))
+    trainer = Trainer(cfg, ctx, DeFragModel.from_config(cfg.model, vocab), vocab,
+                      Tracker(None, None, None), TrainState())
+    loader, _ = make_train_loader(cfg, vocab, rank, world_size, 0, args.batch // world_size)
+    batches = [b.to("cpu") for _, b in zip(range(args.steps + 1), loader, strict=False)]
+    out = {"processes": world_size, "pairs_per_step": args.batch,
+           "images_per_step": sum(len(b.image_ids) for b in batches) / len(batches) * world_size}
+    for epoch, phase in ((0, "frozen"), (1, "finetune")):
+        trainer.prepare_engine(epoch)
+        trainer.model.train()
+        out[f"{phase}_step_s"] = median_seconds(lambda b, e=epoch: trainer.train_step(b, e),
+                                                batches)
+
+    def bare_cnn(batch):
+        trainer.model.image.region_features(batch.images, batch.boxes,
+                                            batch.box_image).sum().backward()
+        trainer.model.zero_grad(set_to_none=True)
+
+    out["bare_cnn_s"] = median_seconds(bare_cnn, batches)
+    out["overhead"] = out["finetune_step_s"] / out["bare_cnn_s"]
+    for phase in ("frozen", "finetune"):
+        out[f"{phase}_steps_per_s"] = 1 / out[f"{phase}_step_s"]
+        out[f"{phase}_images_per_s"] = out["images_per_step"] / out[f"{phase}_step_s"]
+    if rank == 0:
+        results.update(out)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def synthetic_shards(root: Path) -> str:
+    jsonl = generate(root / "source", 200, 20, seed=0)
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=root, parser="spacy", boxes="given", shard_size=50, workers=1))
+    return str(root)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", help="featurizer output (default: generated synthetic)")
+    parser.add_argument("--batch", type=int, default=50, help="global pairs per step")
+    parser.add_argument("--image-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--port", type=int, default=29517)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = args.shards or synthetic_shards(Path(tmp))
+        rows = []
+        for world_size in (1, 2):
+            results = mp.Manager().dict()
+            mp.spawn(measure, args=(world_size, shards, args, results), nprocs=world_size)
+            rows.append(dict(results))
+    for r in rows:
+        print(f"{r['processes']} process(es), {r['pairs_per_step']} pairs "
+              f"({r['images_per_step']:.0f} images)/step: frozen {r['frozen_steps_per_s']:.2f} "
+              f"steps/s {r['frozen_images_per_s']:.1f} img/s; finetune "
+              f"{r['finetune_steps_per_s']:.2f} steps/s {r['finetune_images_per_s']:.1f} img/s; "
+              f"step / bare CNN fwd+bwd = {r['overhead']:.2f} (target <= 1.25)")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
