@@ -1,0 +1,33 @@
+"""The featurizer (`python -m featurizer`): captioned images -> the WebDataset shards the trainer
+streams.
+
+Modules, in the order data flows: `sources` (read a dataset into `records`), `images` (read and
+check one image), `parsing` (captions -> tokens and dependency triplets), `boxes` (image ->
+region boxes), `shards` (one shard written atomically), `vocabulary` (dictionary and relation
+table rules), `pipeline` (the parallel, resumable run and its manifest), `synthetic` (a generated
+demo dataset), `__main__` (the CLI).
+
+Output layout (format version `shards.FORMAT_VERSION`):
+
+    OUT/manifest.json            counts per split, shard list (bytes, samples, sha256), parser,
+                                 box source, vocabulary summary and relation table, the
+                                 training split's counts of every relation type, every skipped
+                                 input (file, line, item, reason, detail) and the command
+    OUT/vocab.json               trainer.vocab.Vocabulary.save: words and kept relation types
+    OUT/<split>/shard-000000.tar one WebDataset sample per image, samples sorted by image id
+    OUT/<split>/shard-000000.json its sidecar: counts, sha256, input fingerprint (resumption)
+
+A sample's key is the sanitised image id (the image path without extension, [A-Za-z0-9_-]);
+its entries are `jpg` or `png` (the ORIGINAL file bytes, extension from the decoded format) and
+`json`:
+
+    {"image_id", "split", "width", "height", "file": path relative to the image folder,
+     "captions": [{"text", "tokens": [word, ...], "triplets": [[rel, governor, dependent], ...]}],
+     "boxes": [[x1, y1, x2, y2], ...] (pixels; row 0 = the whole image), "box_scores": [...],
+     "box_source": name}
+
+Tokens and triplets are lowercased, without punctuation, and keep EVERY relation type: the
+vocabulary (built after parsing, from the training split) decides what the trainer uses, through
+`Vocabulary.encode`. So a new split can be featurized with `--vocab` of an existing training set
+or model and be encoded exactly like it.
+"""

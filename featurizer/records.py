@@ -1,0 +1,87 @@
+"""What the sources hand to the shard writers: images with their captions, and problems found.
+
+Every record and every problem carries its `Origin` (file, line, or item inside a JSON document),
+so a skipped input can always be reported as `file:line: reason`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Reason codes of skipped inputs (the manifest counts them per split).
+MALFORMED = "malformed"
+ODD_KEY = "odd_key"
+DUPLICATE_KEY = "duplicate_key"
+DUPLICATE_IMAGE = "duplicate_image"
+EMPTY_CAPTION = "empty_caption"
+NO_WORDS = "no_words"
+NO_CAPTIONS = "no_captions"
+MISSING_SPLIT_FILE = "missing_split_file"
+MISSING_IMAGE = "missing_image"
+BAD_IMAGE = "bad_image"
+UNSUPPORTED_FORMAT = "unsupported_format"
+BAD_BOXES = "bad_boxes"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an input came from: a file, its 1-based line, or an item path inside a JSON file."""
+
+    file: str
+    line: int | None = None
+    item: str = ""
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where} [{self.item}]" if self.item else where
+
+
+@dataclass
+class Problem:
+    """One skipped input: where, a reason code (see the constants above) and a readable detail."""
+
+    origin: Origin
+    reason: str
+    detail: str
+    split: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.origin}: {self.reason}: {self.detail}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self.origin), "reason": self.reason, "detail": self.detail,
+                "split": self.split}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Problem:
+        origin = Origin(data["file"], data["line"], data["item"])
+        return cls(origin, data["reason"], data["detail"], data["split"])
+
+
+@dataclass
+class Caption:
+    text: str
+    origin: Origin
+
+
+@dataclass
+class ImageRecord:
+    """One image of a split with its captions; `boxes` are ground-truth boxes when the source has
+    them (used by the "given" box source)."""
+
+    image_id: str
+    split: str
+    path: Path
+    file: str
+    origin: Origin
+    captions: list[Caption] = field(default_factory=list)
+    boxes: list[list[float]] | None = None
+
+
+def image_key(name: str) -> str:
+    """A stable WebDataset key for an image path: no extension, and only [A-Za-z0-9_-] (a dot
+    would split the key, a slash would make a folder inside the tar)."""
+    stem = re.sub(r"\.[A-Za-z0-9]+$", "", name.strip())
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("_")

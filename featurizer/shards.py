@@ -1,0 +1,194 @@
+"""One shard = one independent unit of work: its images parsed, boxed and written to a tar.
+
+Records of a split are sorted by image id and cut into shards of `shard_size` images, so shard k
+always holds the same images and any worker process can write it alone. A shard is written with
+webdataset's `TarWriter` to a temporary name and renamed only when complete; then its sidecar
+`shard-NNNNNN.json` (counts, sha256, the fingerprint of its inputs and settings, skipped inputs)
+is renamed into place. A shard counts as finished only when its sidecar matches the current
+fingerprint and the tar's size and sha256, so a re-run redoes half-written or stale shards and
+skips the rest. (`ShardWriter` names shards by a running counter as it writes one stream, so it
+cannot give each parallel worker its own shard index and an atomic rename.)
+
+Tar members have a fixed mtime, owner and mode, and samples are written in image-id order, so the
+same inputs give byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import webdataset as wds
+
+from featurizer.images import BadImage, LoadedImage, load_image
+from featurizer.parsing import ParsedCaption, Parser
+from featurizer.records import NO_CAPTIONS, NO_WORDS, Caption, ImageRecord, Problem
+
+FORMAT_VERSION = 1
+TMP_MARK = ".tmp-"
+
+
+@dataclass
+class ShardSpec:
+    """Shard `index` of `split`: which records go in, and the fingerprint of inputs + settings."""
+
+    split: str
+    index: int
+    directory: Path
+    records: list[ImageRecord]
+    fingerprint: str
+
+    @property
+    def tar_path(self) -> Path:
+        return self.directory / f"shard-{self.index:06d}.tar"
+
+    @property
+    def sidecar_path(self) -> Path:
+        return self.directory / f"shard-{self.index:06d}.json"
+
+
+def plan_shards(split: str, records: list[ImageRecord], directory: Path, shard_size: int,
+                settings: dict) -> list[ShardSpec]:
+    """Cut a split's records (sorted by image id) into shards of `shard_size` images."""
+    if shard_size < 1:
+        raise ValueError(f"shard size must be positive, got {shard_size}")
+    ordered = sorted(records, key=lambda r: r.image_id)
+    return [ShardSpec(split, index, directory, chunk, _fingerprint(chunk, settings))
+            for index, chunk in enumerate(ordered[start:start + shard_size]
+                                          for start in range(0, len(ordered), shard_size))]
+
+
+def _fingerprint(records: list[ImageRecord], settings: dict) -> str:
+    """Hash of what determines a shard's bytes: format, settings, and each record's inputs."""
+    payload = {"format": FORMAT_VERSION, "settings": settings, "records": [
+        [r.image_id, r.file, _file_size(r.path), [c.text for c in r.captions], r.boxes]
+        for r in records]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def finished(spec: ShardSpec) -> dict | None:
+    """The sidecar of `spec` if its shard is complete and current, else None."""
+    try:
+        sidecar = json.loads(spec.sidecar_path.read_text())
+        complete = (sidecar.get("format") == FORMAT_VERSION
+                    and sidecar.get("fingerprint") == spec.fingerprint
+                    and spec.tar_path.stat().st_size == sidecar.get("bytes")
+                    and _sha256(spec.tar_path) == sidecar.get("sha256"))
+    except (OSError, ValueError):
+        return None
+    return sidecar if complete else None
+
+
+def clear_leftovers(directory: Path, num_shards: int) -> None:
+    """Remove temporary files of interrupted runs and shards beyond the current plan."""
+    for path in directory.glob("shard-*"):
+        index = path.name.split(".")[0].removeprefix("shard-")
+        if TMP_MARK in path.name or not index.isdigit() or int(index) >= num_shards:
+            path.unlink()
+
+
+def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
+                progress: Callable[[int], object]) -> dict:
+    """Parse, box and write the images of `spec`; returns its sidecar. `boxes` is a box source;
+    `progress(1)` is called once per image."""
+    problems: list[Problem] = []
+    loaded: list[tuple[ImageRecord, LoadedImage]] = []
+    for record in spec.records:
+        try:
+            loaded.append((record, load_image(record.path)))
+        except BadImage as bad:
+            problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
+            progress(1)
+    parsed = iter(parser.parse([c.text for record, _ in loaded for c in record.captions]))
+    samples = []
+    for record, image in loaded:
+        captions = _usable_captions(record, [(c, next(parsed)) for c in record.captions],
+                                    problems)
+        if captions:
+            samples.append(_sample(record, image, captions, boxes))
+        progress(1)
+    spec.directory.mkdir(parents=True, exist_ok=True)
+    spec.sidecar_path.unlink(missing_ok=True)
+    tmp = spec.tar_path.with_name(f"{spec.tar_path.name}{TMP_MARK}{os.getpid()}")
+    with tmp.open("wb") as stream:
+        writer = wds.TarWriter(stream, encoder=False, mtime=0)
+        for key, extension, data, meta in samples:
+            writer.write({"__key__": key, extension: data,
+                          "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+        writer.close()
+        stream.flush()
+        os.fsync(stream.fileno())
+    sidecar = _sidecar(spec, tmp, [meta for *_, meta in samples], problems)
+    os.replace(tmp, spec.tar_path)
+    write_json_atomically(spec.sidecar_path, sidecar)
+    return sidecar
+
+
+def _usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCaption]],
+                     problems: list[Problem]) -> list[dict]:
+    """Captions with at least one word, as stored; reports the others (and a captionless image)."""
+    captions = []
+    for caption, fragments in parsed:
+        if fragments.tokens:
+            captions.append({"text": caption.text, "tokens": fragments.tokens,
+                             "triplets": fragments.triplets})
+        else:
+            problems.append(Problem(caption.origin, NO_WORDS,
+                                    f"{record.file}: caption {caption.text!r} has no words",
+                                    record.split))
+    if not captions:
+        problems.append(Problem(record.origin, NO_CAPTIONS,
+                                f"{record.file}: no caption with words left", record.split))
+    return captions
+
+
+def _sample(record: ImageRecord, image: LoadedImage, captions: list[dict],
+            boxes: Callable) -> tuple[str, str, bytes, dict]:
+    """(key, image extension, image bytes, JSON metadata) of one image."""
+    rows, scores = boxes(image.image, record.boxes)
+    width, height = image.image.size
+    meta = {"image_id": record.image_id, "split": record.split, "width": width,
+            "height": height, "file": record.file, "captions": captions, "boxes": rows,
+            "box_scores": scores, "box_source": boxes.name}
+    return record.image_id, image.extension, image.data, meta
+
+
+def _sidecar(spec: ShardSpec, tar: Path, metas: list[dict], problems: list[Problem]) -> dict:
+    captions = [c for meta in metas for c in meta["captions"]]
+    return {
+        "format": FORMAT_VERSION, "fingerprint": spec.fingerprint, "split": spec.split,
+        "file": spec.tar_path.name, "bytes": tar.stat().st_size, "sha256": _sha256(tar),
+        "samples": len(metas), "captions": len(captions),
+        "triplets": sum(len(c["triplets"]) for c in captions),
+        "tokens": sum(len(c["tokens"]) for c in captions),
+        "relation_counts": dict(Counter(t[0] for c in captions for t in c["triplets"])),
+        "word_counts": dict(Counter(w for c in captions for w in c["tokens"])),
+        "skipped": [p.to_json() for p in problems],
+    }
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    """Write then rename, so a reader (or a re-run) never sees half a file."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
+    tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,274 @@
+"""Readers of captioned image datasets: each returns the images it found and the inputs it skipped.
+
+- `read_flickr`: the original Flickr8k / Flickr30k text releases — a token file of
+  `<image>.jpg#<n><TAB><caption>` lines, one list of image names per split, an image folder.
+- `read_karpathy`: Karpathy-split JSON (`dataset_flickr8k.json`, `dataset_flickr30k.json`,
+  `dataset_coco.json`): `{"images": [{"filepath"?, "filename", "split", "sentences": [{"raw"}]}]}`.
+- `read_jsonl`: one `{"image": path, "captions": [...], "split": ..., "boxes"?: [[x1,y1,x2,y2]]}`
+  per line; relative image paths are relative to the images folder.
+
+Bad entries (odd or duplicate keys, empty captions, malformed lines) become `Problem`s with their
+file and line; only a missing token/JSON file or an explicitly requested split that does not
+exist is an error. Image files are opened later, by the shard writers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from featurizer.records import (
+    BAD_BOXES,
+    DUPLICATE_IMAGE,
+    DUPLICATE_KEY,
+    EMPTY_CAPTION,
+    MALFORMED,
+    MISSING_SPLIT_FILE,
+    NO_CAPTIONS,
+    ODD_KEY,
+    Caption,
+    ImageRecord,
+    Origin,
+    Problem,
+    image_key,
+)
+
+# Flickr8k release names, relative to its root; Flickr30k's release uses the same token format.
+FLICKR8K_TOKEN_FILE = "Flickr8k_text/Flickr8k.token.txt"
+FLICKR8K_IMAGES = "Flicker8k_Dataset"
+FLICKR8K_SPLIT_FILES = {
+    "train": "Flickr8k_text/Flickr_8k.trainImages.txt",
+    "dev": "Flickr8k_text/Flickr_8k.devImages.txt",
+    "test": "Flickr8k_text/Flickr_8k.testImages.txt",
+}
+_TOKEN_KEY = re.compile(r"^(?P<name>[^#\t]+\.(?:jpe?g|png))#(?P<index>\d+)$", re.IGNORECASE)
+
+
+@dataclass
+class Source:
+    """What a reader found: images (any order) and skipped inputs (in file order)."""
+
+    records: list[ImageRecord] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def add(self, record: ImageRecord, seen: dict[str, Origin]) -> None:
+        """Keep `record` unless an earlier record has the same image id (then report it)."""
+        if record.image_id in seen:
+            self.problems.append(Problem(
+                record.origin, DUPLICATE_IMAGE,
+                f"image {record.file} (id {record.image_id}) already listed at "
+                f"{seen[record.image_id]}", record.split))
+            return
+        seen[record.image_id] = record.origin
+        self.records.append(record)
+
+
+def read_flickr(token_file: Path, images_dir: Path, split_files: dict[str, Path],
+                splits: Iterable[str] | None = None) -> Source:
+    """Read a Flickr8k/30k-style release. `splits` (default: every split whose list exists)
+    selects split lists; a requested split whose list file is missing is an error."""
+    requested = list(splits) if splits is not None else None
+    unknown = sorted(set(requested or ()) - set(split_files))
+    if unknown:
+        raise ValueError(f"split(s) {unknown} have no split list: known {sorted(split_files)} "
+                         f"(add one with --split-file NAME=FILE)")
+    source = Source()
+    members: dict[str, tuple[str, Origin]] = {}  # image name -> (split, where it is listed)
+    for split, path in split_files.items():
+        if requested is not None and split not in requested:
+            continue
+        if not path.is_file():
+            if requested is not None:
+                raise FileNotFoundError(f"split {split!r}: split list {path} does not exist (give "
+                                        f"its path with --split-file {split}=FILE or leave "
+                                        f"{split!r} out of --splits)")
+            source.problems.append(Problem(Origin(str(path)), MISSING_SPLIT_FILE,
+                                           "split list not found; split left out", split))
+            continue
+        _read_split_list(path, split, members, source)
+    if not members:
+        raise ValueError(f"no images: none of the split lists {list(split_files.values())} "
+                         f"exists or lists an image")
+    captions = _read_token_file(token_file, members, source)
+    seen: dict[str, Origin] = {}
+    for name, (split, origin) in members.items():
+        if name not in captions:
+            source.problems.append(Problem(origin, NO_CAPTIONS,
+                                           f"{name} has no caption in {token_file}", split))
+            continue
+        indexed = sorted(captions[name].items())
+        source.add(ImageRecord(image_id=image_key(name), split=split, path=images_dir / name,
+                               file=name, origin=origin,
+                               captions=[caption for _, caption in indexed]), seen)
+    return source
+
+
+def _read_split_list(path: Path, split: str, members: dict[str, tuple[str, Origin]],
+                     source: Source) -> None:
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        name = line.strip()
+        if not name:
+            continue
+        origin = Origin(str(path), number)
+        if name in members:
+            other_split, other = members[name]
+            source.problems.append(Problem(origin, DUPLICATE_IMAGE,
+                                           f"{name} already listed in split {other_split!r} at "
+                                           f"{other}", split))
+            continue
+        members[name] = (split, origin)
+
+
+def _read_token_file(path: Path, members: dict[str, tuple[str, Origin]],
+                     source: Source) -> dict[str, dict[int, Caption]]:
+    """Captions of the listed images, by image name and caption number."""
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {path} does not exist (set it with --token-file)")
+    captions: dict[str, dict[int, Caption]] = {}
+    seen_keys: dict[str, int] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        origin = Origin(str(path), number)
+        key, tab, text = line.partition("\t")
+        if not tab:
+            source.problems.append(Problem(origin, MALFORMED, "no TAB between key and caption"))
+            continue
+        key = key.strip()
+        match = _TOKEN_KEY.match(key)
+        if match is None:
+            source.problems.append(Problem(origin, ODD_KEY, f"key {key!r} is not "
+                                                            f"<image>.jpg#<number>"))
+            continue
+        name = match["name"]
+        split = members[name][0] if name in members else None
+        if key in seen_keys:
+            source.problems.append(Problem(origin, DUPLICATE_KEY, f"key {key!r} already at line "
+                                                                  f"{seen_keys[key]}", split))
+            continue
+        seen_keys[key] = number
+        if split is None:
+            continue
+        if not text.strip():
+            source.problems.append(Problem(origin, EMPTY_CAPTION, f"{key}: empty caption", split))
+            continue
+        captions.setdefault(name, {})[int(match["index"])] = Caption(text.strip(), origin)
+    return captions
+
+
+def read_karpathy(json_file: Path, images_dir: Path) -> Source:
+    """Read a Karpathy-split JSON file; image paths are `images_dir/filepath/filename`."""
+    try:
+        data = json.loads(Path(json_file).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{json_file}: cannot read the Karpathy-split JSON ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+        raise ValueError(f"{json_file}: not a Karpathy-split file (no top-level 'images' list)")
+    source = Source()
+    seen: dict[str, Origin] = {}
+    for i, image in enumerate(data["images"]):
+        origin = Origin(str(json_file), item=f"images[{i}]")
+        if not (isinstance(image, dict) and isinstance(image.get("filename"), str)
+                and isinstance(image.get("split"), str)
+                and isinstance(image.get("sentences"), list)):
+            source.problems.append(Problem(origin, MALFORMED,
+                                           "needs 'filename', 'split' and 'sentences'"))
+            continue
+        file = "/".join(part for part in (image.get("filepath", ""), image["filename"]) if part)
+        captions = []
+        for j, sentence in enumerate(image["sentences"]):
+            where = Origin(str(json_file), item=f"images[{i}].sentences[{j}]")
+            text = _sentence_text(sentence)
+            if text:
+                captions.append(Caption(text, where))
+            else:
+                source.problems.append(Problem(where, EMPTY_CAPTION, f"{file}: empty sentence",
+                                               image["split"]))
+        _add_with_captions(source, seen, ImageRecord(
+            image_id=image_key(file), split=image["split"], path=images_dir / file, file=file,
+            origin=origin, captions=captions))
+    return source
+
+
+def _sentence_text(sentence: object) -> str:
+    """The raw text of a Karpathy sentence entry, else its tokens joined by spaces."""
+    if not isinstance(sentence, dict):
+        return ""
+    raw = sentence.get("raw")
+    if isinstance(raw, str) and raw.strip():
+        return raw.strip()
+    tokens = sentence.get("tokens")
+    if isinstance(tokens, list):
+        return " ".join(t for t in tokens if isinstance(t, str)).strip()
+    return ""
+
+
+def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source:
+    """Read a JSONL file; a line without "split" goes to `default_split`."""
+    if not jsonl_file.is_file():
+        raise FileNotFoundError(f"JSONL file {jsonl_file} does not exist")
+    source = Source()
+    seen: dict[str, Origin] = {}
+    lines = jsonl_file.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        origin = Origin(str(jsonl_file), number)
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            source.problems.append(Problem(origin, MALFORMED, f"invalid JSON ({err})"))
+            continue
+        if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)
+                and isinstance(entry.get("captions"), list)
+                and isinstance(entry.get("split", default_split), str)):
+            source.problems.append(Problem(origin, MALFORMED,
+                                           'needs "image" (a path) and "captions" (a list)'))
+            continue
+        split = entry.get("split", default_split)
+        boxes = entry.get("boxes")
+        if boxes is not None and not _valid_boxes(boxes):
+            source.problems.append(Problem(origin, BAD_BOXES, '"boxes" must be a list of '
+                                                              '[x1, y1, x2, y2] numbers', split))
+            continue
+        captions = []
+        for j, text in enumerate(entry["captions"]):
+            if isinstance(text, str) and text.strip():
+                captions.append(Caption(text.strip(), Origin(str(jsonl_file), number,
+                                                             f"captions[{j}]")))
+            else:
+                source.problems.append(Problem(Origin(str(jsonl_file), number, f"captions[{j}]"),
+                                               EMPTY_CAPTION, f"{entry['image']}: caption "
+                                                              f"{text!r} is empty", split))
+        path = Path(entry["image"])
+        _add_with_captions(source, seen, ImageRecord(
+            image_id=image_key(entry["image"]), split=split, path=images_dir / path,
+            file=entry["image"], origin=origin, captions=captions,
+            boxes=[[float(v) for v in box] for box in boxes] if boxes is not None else None))
+    return source
+
+
+def _valid_boxes(boxes: object) -> bool:
+    return isinstance(boxes, list) and all(
+        isinstance(box, list) and len(box) == 4
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in box)
+        for box in boxes)
+
+
+def _add_with_captions(source: Source, seen: dict[str, Origin], record: ImageRecord) -> None:
+    if record.captions:
+        source.add(record, seen)
+    else:
+        source.problems.append(Problem(record.origin, NO_CAPTIONS,
+                                       f"{record.file} has no usable caption", record.split))
+
+
+def rename_splits(source: Source, mapping: dict[str, str]) -> Source:
+    """Rename splits, e.g. {"restval": "train"} to train on COCO's restval images too."""
+    for item in (*source.records, *source.problems):
+        if item.split in mapping:
+            item.split = mapping[item.split]
+    return source

@@ -1,0 +1,273 @@
+"""The featurizer end to end on tiny generated data: shard contents, manifest, bad inputs,
+resumability, determinism, vocabulary reuse and the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from PIL import Image
+
+import featurizer.pipeline as pipeline
+from featurizer.__main__ import main
+from featurizer.parsing import ParserUnavailable
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from trainer.vocab import Vocabulary
+
+CAPTIONS = ["A black dog runs in the grass .", "Two girls play on the beach .",
+            "A man in a red shirt rides a bike .", "A brown dog jumps over a fence ."]
+
+
+def write_image(path: Path, index: int, kind: str = "JPEG") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (40 + index, 30), (index * 37 % 256, 90, 160)).save(path, kind)
+
+
+def make_dataset(root: Path, good: int = 5, bad: bool = False, split: str = "train") -> Path:
+    """`good` images with two captions each; with `bad`, also every kind of broken input."""
+    lines = []
+    for i in range(good):
+        name = f"img{i:02d}.png" if i % 3 == 2 else f"img{i:02d}.jpg"
+        write_image(root / "images" / name, i, "PNG" if name.endswith("png") else "JPEG")
+        lines.append({"image": f"images/{name}", "split": split,
+                      "captions": [CAPTIONS[i % 4], CAPTIONS[(i + 1) % 4]],
+                      "boxes": [[2, 3, 20, 25], [0, 0, 10, 10]]})
+    if bad:
+        write_image(root / "images/truncated.jpg", 7)
+        data = (root / "images/truncated.jpg").read_bytes()
+        (root / "images/truncated.jpg").write_bytes(data[: len(data) // 2])
+        (root / "images/garbage.jpg").write_bytes(b"this is not an image")
+        (root / "images/folder.jpg").mkdir()
+        write_image(root / "images/anim.gif", 3, "GIF")
+        write_image(root / "images/wordless.jpg", 4)
+        lines += [{"image": f"images/{name}", "split": split, "captions": ["A dog ."]}
+                  for name in ("truncated.jpg", "garbage.jpg", "folder.jpg", "anim.gif",
+                               "missing.jpg")]
+        lines.append({"image": "images/wordless.jpg", "split": split, "captions": [". . .", ""]})
+    path = root / "data.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def run(jsonl: Path, out: Path, **overrides) -> dict:
+    defaults = {"parser": "spacy", "boxes": "given", "shard_size": 2, "workers": 1,
+                "min_word_count": 1}
+    settings = Settings(out=out, **{**defaults, **overrides})
+    return featurize(read_jsonl(jsonl, jsonl.parent, "train"), settings)
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("*/*.tar"))}
+
+
+def test_shards_hold_original_images_captions_and_boxes(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data")
+    manifest = run(jsonl, tmp_path / "out")
+    train = manifest["splits"]["train"]
+    assert (train["images"], train["captions"]) == (5, 10)
+    assert [s["file"] for s in train["shards"]] == [f"train/shard-00000{i}.tar" for i in range(3)]
+    assert [s["samples"] for s in train["shards"]] == [2, 2, 1]
+    assert manifest["parser"]["name"] == "spacy" and manifest["box_source"]["name"] == "given"
+    vocab = Vocabulary.load(tmp_path / "out/vocab.json")
+    assert manifest["vocabulary"]["relations"] == vocab.relations and "amod" in vocab.relations
+    urls = [str(tmp_path / "out" / s["file"]) for s in train["shards"]]
+    samples = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [s["__key__"] for s in samples] == [f"images_img{i:02d}" for i in range(5)]
+    for index, sample in enumerate(samples):
+        meta = json.loads(sample["json"])
+        extension = "png" if index % 3 == 2 else "jpg"
+        original = tmp_path / "data" / meta["file"]
+        assert sample[extension] == original.read_bytes()  # the file as it is, not re-encoded
+        assert (meta["image_id"], meta["split"], meta["file"]) == (
+            f"images_img{index:02d}", "train", f"images/img{index:02d}.{extension}")
+        assert (meta["width"], meta["height"]) == (40 + index, 30)
+        assert meta["boxes"] == [[0, 0, 40 + index, 30], [2, 3, 20, 25], [0, 0, 10, 10]]
+        assert meta["box_scores"][0] == 1.0 and meta["box_source"] == "given"
+        first = meta["captions"][0]
+        assert first["text"] == CAPTIONS[index % 4]
+        assert first["tokens"] == [w.lower() for w in first["text"].split() if w != "."]
+        assert all(len(t) == 3 for t in first["triplets"]) and first["triplets"]
+        assert vocab.encode(first).shape[1] == 3
+    decoded = next(iter(wds.WebDataset(urls[:1], shardshuffle=False).decode("pil")))
+    assert decoded["jpg"].size == (40, 30)
+
+
+def test_bad_inputs_are_reported_counted_and_skipped(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3, bad=True)
+    manifest = run(jsonl, tmp_path / "out")
+    assert manifest["splits"]["train"]["images"] == 3
+    expected = {"bad_image": 3, "empty_caption": 1, "missing_image": 1, "no_captions": 1,
+                "no_words": 1, "unsupported_format": 1}
+    assert manifest["splits"]["train"]["skipped"] == expected
+    assert manifest["skipped"]["by_reason"] == expected
+    items = {(item["reason"], item["line"]) for item in manifest["skipped"]["items"]}
+    lines = {name: n for n, name in enumerate(
+        ["truncated", "garbage", "folder", "anim", "missing", "wordless"], start=4)}
+    assert {("bad_image", lines["truncated"]), ("bad_image", lines["garbage"]),
+            ("bad_image", lines["folder"]), ("unsupported_format", lines["anim"]),
+            ("missing_image", lines["missing"]), ("no_words", lines["wordless"]),
+            ("no_captions", lines["wordless"]), ("empty_caption", lines["wordless"])} == items
+    assert all(item["file"] == str(jsonl) for item in manifest["skipped"]["items"])
+    truncated = next(i for i in manifest["skipped"]["items"] if i["line"] == lines["truncated"])
+    assert "truncated.jpg" in truncated["detail"]
+
+
+def test_rerun_skips_finished_shards_and_redoes_broken_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=6)
+    out = tmp_path / "out"
+    run(jsonl, out)
+    first = shard_bytes(out)
+    written = []
+    real_write = pipeline.write_shard
+    monkeypatch.setattr(pipeline, "write_shard",
+                        lambda spec, *a: written.append(spec.index) or real_write(spec, *a))
+    run(jsonl, out)
+    assert written == []  # everything finished: nothing redone
+    with (out / "train/shard-000000.tar").open("ab") as tar:
+        tar.write(b"\0")  # changed after its sidecar was written: sha256 mismatch
+    (out / "train/shard-000001.json").unlink()  # killed between tar rename and sidecar
+    (out / "train/shard-000002.tar.tmp-123").write_bytes(b"half a shard")
+    (out / "train/shard-000007.tar").write_bytes(b"from an older, bigger run")
+    manifest = run(jsonl, out)
+    assert written == [0, 1]
+    assert shard_bytes(out) == first
+    assert sorted(p.name for p in (out / "train").iterdir()) == [
+        f"shard-00000{i}.{ext}" for i in range(3) for ext in ("json", "tar")]
+    assert manifest["splits"]["train"]["images"] == 6
+
+
+def test_a_shard_killed_while_writing_is_never_trusted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=4)
+    out = tmp_path / "out"
+    real_write = wds.TarWriter.write
+    calls = []
+
+    def dying_write(self, sample):
+        calls.append(sample["__key__"])
+        if len(calls) == 3:  # first sample of the second shard
+            raise KeyboardInterrupt
+        return real_write(self, sample)
+
+    monkeypatch.setattr(wds.TarWriter, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run(jsonl, out)
+    names = sorted(p.name for p in (out / "train").iterdir())
+    assert names[:2] == ["shard-000000.json", "shard-000000.tar"]
+    assert len(names) == 3 and names[2].startswith("shard-000001.tar.tmp-")  # no sidecar, no .tar
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(wds.TarWriter, "write", real_write)
+    run(jsonl, out)
+    run(jsonl, tmp_path / "clean")
+    assert shard_bytes(out) == shard_bytes(tmp_path / "clean")
+
+
+def test_same_input_gives_identical_shards(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=5)
+    run(jsonl, tmp_path / "a")
+    run(jsonl, tmp_path / "b", parse_batch_size=3)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    assert (tmp_path / "a/vocab.json").read_bytes() == (tmp_path / "b/vocab.json").read_bytes()
+
+
+def test_settings_change_redoes_shards(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    run(jsonl, tmp_path / "out")
+    manifest = run(jsonl, tmp_path / "out", boxes="fullframe")
+    for shard in manifest["splits"]["train"]["shards"]:
+        for sample in wds.WebDataset(str(tmp_path / "out" / shard["file"]), shardshuffle=False):
+            assert len(json.loads(sample["json"])["boxes"]) == 1
+
+
+def test_new_split_reuses_an_existing_vocabulary(tmp_path: Path) -> None:
+    train = run(make_dataset(tmp_path / "train", good=4), tmp_path / "train_out")
+    test_jsonl = make_dataset(tmp_path / "test", good=2, split="test")
+    with pytest.raises(ValueError, match="--vocab"):
+        run(test_jsonl, tmp_path / "test_out")
+    manifest = run(test_jsonl, tmp_path / "test_out", vocab=tmp_path / "train_out")
+    assert (tmp_path / "test_out/vocab.json").read_bytes() == (
+        tmp_path / "train_out/vocab.json").read_bytes()
+    assert manifest["vocabulary"]["source"].startswith("reused from")
+    assert manifest["vocabulary"]["relations"] == train["vocabulary"]["relations"]
+    assert manifest["splits"]["test"]["images"] == 2
+
+
+def test_word_vectors_limit_and_split_selection(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=5)
+    vectors = tmp_path / "glove.txt"
+    vectors.write_text("dog 1 2\ngrass 3 4\nunseen 5 6\n")
+    manifest = run(jsonl, tmp_path / "out", word_vectors=vectors, limit=3, splits=["train"])
+    assert Vocabulary.load(tmp_path / "out/vocab.json").words == ["dog", "grass", "unseen"]
+    assert manifest["vocabulary"]["word_vectors"] == str(vectors)
+    assert manifest["splits"]["train"]["images"] == 3
+    assert 0 < manifest["splits"]["train"]["dictionary_coverage"] < 0.5
+    with pytest.raises(ValueError, match=r"split\(s\) \['dev'\] not in the source"):
+        run(jsonl, tmp_path / "out", splits=["dev"])
+
+
+def test_missing_stanza_models_fail_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANZA_RESOURCES_DIR", str(tmp_path / "no_models"))
+    with pytest.raises(ParserUnavailable, match="STANZA_RESOURCES_DIR"):
+        run(make_dataset(tmp_path / "data", good=1), tmp_path / "out", parser="stanza")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_jsonl_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    out = tmp_path / "out"
+    assert main(["jsonl", "--jsonl", str(jsonl), "--out", str(out), "--parser", "spacy",
+                 "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]) == 0
+    assert "train: 3 images, 6 captions" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["created_by"]["command"].startswith("python -m featurizer jsonl --jsonl")
+    (tmp_path / "f8k").mkdir()
+    (tmp_path / "f8k/tokens.txt").write_text("a.jpg#0\tA dog .\n")
+    (tmp_path / "f8k/train.txt").write_text("a.jpg\n")
+    code = main(["flickr", "--root", str(tmp_path / "f8k"), "--token-file", "tokens.txt",
+                 "--split-file", "train=train.txt", "--split-file", "test=test.txt",
+                 "--splits", "train", "test", "--out", str(tmp_path / "f8k_out"),
+                 "--parser", "spacy"])
+    assert code == 2 and "test.txt does not exist" in capsys.readouterr().err
+
+
+def test_cli_karpathy_with_split_map(tmp_path: Path) -> None:
+    for i in range(3):
+        write_image(tmp_path / f"images/val2014/COCO_{i}.jpg", i)
+    data = {"images": [{"filepath": "val2014", "filename": f"COCO_{i}.jpg",
+                        "split": ("train", "restval", "val")[i],
+                        "sentences": [{"raw": CAPTIONS[i]}]} for i in range(3)]}
+    (tmp_path / "dataset_coco.json").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    assert main(["karpathy", "--json", str(tmp_path / "dataset_coco.json"), "--images",
+                 str(tmp_path / "images"), "--out", str(out), "--split-map", "restval=train",
+                 "--parser", "spacy", "--boxes", "fullframe", "--workers", "1",
+                 "--min-word-count", "1"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {s: c["images"] for s, c in manifest["splits"].items()} == {"train": 2, "val": 1}
+    sample = next(iter(wds.WebDataset(str(out / "val/shard-000000.tar"), shardshuffle=False)))
+    assert json.loads(sample["json"])["file"] == "val2014/COCO_2.jpg"
+
+
+def test_cli_synthetic_dataset(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["synthetic", "--out", str(out), "--num-train", "6", "--num-val", "2",
+                 "--workers", "1", "--shard-size", "4"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["parser"]["name"] == "spacy" and manifest["box_source"]["name"] == "given"
+    assert {s: c["images"] for s, c in manifest["splits"].items()} == {"train": 6, "val": 2}
+    assert "amod" in manifest["vocabulary"]["relations"]
+    sample = next(iter(wds.WebDataset(str(out / "train/shard-000000.tar"), shardshuffle=False)))
+    assert len(json.loads(sample["json"])["boxes"]) > 1  # the scene's shapes, given
+
+
+@pytest.mark.slow
+def test_worker_processes_write_the_same_shards(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=6, bad=True)
+    serial = run(jsonl, tmp_path / "serial")
+    parallel = run(jsonl, tmp_path / "parallel", workers=2)
+    assert shard_bytes(tmp_path / "serial") == shard_bytes(tmp_path / "parallel")
+    assert serial["skipped"] == parallel["skipped"]
+    assert serial["splits"] == parallel["splits"]

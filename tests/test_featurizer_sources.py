@@ -1,0 +1,134 @@
+"""Source readers: Flickr token format (with the release's quirks), Karpathy JSON and JSONL."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from featurizer.records import image_key
+from featurizer.sources import read_flickr, read_jsonl, read_karpathy, rename_splits
+
+
+def reasons(source) -> list[tuple[str, int | None]]:
+    return [(p.reason, p.origin.line) for p in source.problems]
+
+
+@pytest.fixture
+def flickr(tmp_path: Path) -> Path:
+    """A Flickr8k-style release: token file with an odd key, a duplicate, an empty caption."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "tokens.txt").write_text(
+        "1_a.jpg#0\tA black dog runs .\n"                  # 1
+        "1_a.jpg#1\tA dog in the grass .\n"                # 2
+        "2_b.jpg#0\tTwo girls play .\n"                    # 3
+        "2_b.jpg.1#0\tpeople waiting for the subway\n"     # 4: the release's odd key
+        "1_a.jpg#0\tA repeated key .\n"                    # 5: duplicate key
+        "2_b.jpg#1\t   \n"                                 # 6: empty caption
+        "no tab on this line\n"                            # 7: malformed
+        "\n"                                               # 8: blank, ignored
+        "3_c.jpg#0\tA cat sleeps .\n"                      # 9
+        "9_z.jpg#0\tAn image in no split .\n")             # 10
+    (text / "train.txt").write_text("1_a.jpg\n2_b.jpg\n1_a.jpg\n")  # line 3: listed twice
+    (text / "dev.txt").write_text("3_c.jpg\n4_d.jpg\n")  # 4_d has no caption
+    return tmp_path
+
+
+def split_files(root: Path) -> dict[str, Path]:
+    return {"train": root / "text/train.txt", "dev": root / "text/dev.txt",
+            "test": root / "text/test.txt"}
+
+
+def test_flickr_reads_captions_and_reports_every_quirk(flickr: Path) -> None:
+    source = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
+    records = {r.image_id: r for r in source.records}
+    assert sorted(records) == ["1_a", "2_b", "3_c"]
+    assert [c.text for c in records["1_a"].captions] == ["A black dog runs .",
+                                                         "A dog in the grass ."]
+    assert [c.origin.line for c in records["1_a"].captions] == [1, 2]
+    assert records["2_b"].split == "train" and records["3_c"].split == "dev"
+    assert records["3_c"].path == flickr / "images/3_c.jpg" and records["3_c"].file == "3_c.jpg"
+    assert sorted(reasons(source), key=str) == sorted([
+        ("missing_split_file", None),  # test list absent and not asked for: reported, left out
+        ("duplicate_image", 3),        # train.txt line 3
+        ("no_captions", 2),            # dev.txt line 2
+        ("odd_key", 4), ("duplicate_key", 5), ("empty_caption", 6), ("malformed", 7)], key=str)
+    odd = next(p for p in source.problems if p.reason == "odd_key")
+    assert odd.origin.file.endswith("tokens.txt") and "2_b.jpg.1#0" in str(odd)
+
+
+def test_flickr_requested_split_without_list_is_a_clear_error(flickr: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"split 'test'.*test\.txt.*--split-file"):
+        read_flickr(flickr / "text/tokens.txt", flickr, split_files(flickr), ["train", "test"])
+    with pytest.raises(ValueError, match="no split list"):
+        read_flickr(flickr / "text/tokens.txt", flickr, split_files(flickr), ["val"])
+
+
+def test_flickr_selected_splits_and_missing_token_file(flickr: Path) -> None:
+    source = read_flickr(flickr / "text/tokens.txt", flickr, split_files(flickr), ["dev"])
+    assert [r.image_id for r in source.records] == ["3_c"]
+    with pytest.raises(FileNotFoundError, match="token file"):
+        read_flickr(flickr / "nope.txt", flickr, split_files(flickr), ["dev"])
+
+
+def test_karpathy_json_flickr_and_coco_styles(tmp_path: Path) -> None:
+    data = {"dataset": "coco", "images": [
+        {"filepath": "val2014", "filename": "COCO_val2014_000000000042.jpg", "split": "restval",
+         "sentences": [{"raw": "A man rides a horse.", "tokens": ["a", "man"]},
+                       {"tokens": ["a", "horse"]},  # no raw: tokens joined
+                       {"raw": "  ", "tokens": []}]},
+        {"filename": "1_a.jpg", "split": "test", "sentences": [{"raw": "A dog."}]},
+        {"filename": "1_a.jpg", "split": "train", "sentences": [{"raw": "Again."}]},
+        {"split": "train", "sentences": []},
+        {"filename": "2_b.jpg", "split": "val", "sentences": [{"raw": ""}]},
+    ]}
+    path = tmp_path / "dataset_coco.json"
+    path.write_text(json.dumps(data))
+    source = read_karpathy(path, tmp_path / "images")
+    coco, flickr = source.records
+    assert coco.image_id == "val2014_COCO_val2014_000000000042"
+    assert coco.path == tmp_path / "images/val2014/COCO_val2014_000000000042.jpg"
+    assert [c.text for c in coco.captions] == ["A man rides a horse.", "a horse"]
+    assert flickr.image_id == "1_a" and flickr.split == "test"
+    assert [(p.reason, p.origin.item) for p in source.problems] == [
+        ("empty_caption", "images[0].sentences[2]"), ("duplicate_image", "images[2]"),
+        ("malformed", "images[3]"), ("empty_caption", "images[4].sentences[0]"),
+        ("no_captions", "images[4]")]
+    assert rename_splits(source, {"restval": "train"}).records[0].split == "train"
+
+
+def test_karpathy_rejects_other_json(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"annotations": []}')
+    with pytest.raises(ValueError, match="no top-level 'images'"):
+        read_karpathy(path, tmp_path)
+
+
+def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
+    lines = [
+        {"image": "imgs/a.jpg", "captions": ["A dog.", "A black dog."], "split": "val",
+         "boxes": [[1, 2, 10, 12]]},
+        {"image": "/abs/b.png", "captions": ["A cat."]},  # no split: default
+        "{not json",
+        {"image": "imgs/c.jpg", "captions": "not a list"},
+        {"image": "imgs/d.jpg", "captions": ["ok"], "boxes": [[1, 2, 3]]},
+        {"image": "imgs/e.jpg", "captions": ["", 7]},
+        {"image": "imgs/a.jpg", "captions": ["again"]},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
+    source = read_jsonl(path, tmp_path, default_split="test")
+    a, b = source.records
+    assert (a.image_id, a.split, a.file, a.boxes) == ("imgs_a", "val", "imgs/a.jpg",
+                                                      [[1.0, 2.0, 10.0, 12.0]])
+    assert a.path == tmp_path / "imgs/a.jpg" and [c.origin.line for c in a.captions] == [1, 1]
+    assert (b.split, b.path) == ("test", Path("/abs/b.png"))
+    assert reasons(source) == [("malformed", 3), ("malformed", 4), ("bad_boxes", 5),
+                               ("empty_caption", 6), ("empty_caption", 6), ("no_captions", 6),
+                               ("duplicate_image", 7)]
+
+
+def test_image_key_is_a_safe_webdataset_key() -> None:
+    assert image_key("1000268201_693b08cb0e.jpg") == "1000268201_693b08cb0e"
+    assert image_key("val2014/COCO_val2014_1.jpg") == "val2014_COCO_val2014_1"
+    assert image_key("my pics/a.b c.PNG") == "my_pics_a_b_c"
