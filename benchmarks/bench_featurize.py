@@ -72,7 +72,7 @@ def bench_parser(name: str, texts: list[str], batch_size: int) -> dict:
                     f"{triplets:.2f} triplets/caption"}
 
 
-def bench_boxes(name: str, options: dict, images: list) -> dict:
+def bench_boxes(name: str, options: dict, images: list, remark: str = "") -> dict:
     try:
         source = make_box_source(name, **options)
     except (ValueError, FileNotFoundError) as err:
@@ -82,7 +82,7 @@ def bench_boxes(name: str, options: dict, images: list) -> dict:
     speed = rate(lambda: counts.extend(len(source(image, GIVEN_BOXES)[0]) for image in images),
                  len(images))
     return {"boxes": name, "images_per_s": round(speed, 2),
-            "note": f"{len(images)} images, {sum(counts) / len(counts):.1f} boxes/image"}
+            "note": f"{len(images)} images, {sum(counts) / len(counts):.1f} boxes/image{remark}"}
 
 
 def random_detector_weights() -> str:
@@ -95,7 +95,7 @@ def random_detector_weights() -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = [START, "## Featurizer (`benchmarks/bench_featurize.py`)", "",
+    lines = [START, "## Featurizer: `python benchmarks/bench_featurize.py`", "",
              f"Machine: {results['machine']}; {results['threads']} torch/OpenCV thread(s) per "
              f"process; data: {results['data']}; load average at start "
              f"{results['load_average']} (the cores are shared). "
@@ -144,9 +144,10 @@ def main() -> None:
             if v not in (None, False) and k != "write_readme"),
         "parsers": [bench_parser(name, texts, args.parse_batch_size)
                     for name in ("spacy", "stanza")],
-        "boxes": [bench_boxes(name, options, images) for name, options in (
-            ("fullframe", {}), ("given", {}), ("selective_search", {}),
-            ("detector", {"weights": detector}))],
+        "boxes": [bench_boxes(name, options, images, remark) for name, options, remark in (
+            ("fullframe", {}, ""), ("given", {}, ""), ("selective_search", {}, ""),
+            ("detector", {"weights": detector},
+             "" if args.detector_weights else ", random weights (speed only)"))],
     }
     print(json.dumps(results, indent=1))
     section = markdown(results)
