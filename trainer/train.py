@@ -16,16 +16,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 from tqdm import tqdm
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.data import Batch, load_eval_set, make_train_loader
+from trainer.data import Batch, load_eval_set, make_train_loader, unit_float
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
+from trainer.pictures import best_boxes, render_alignment
 from trainer.registry import save_model_folder
 from trainer.tracking import Tracker
 from trainer.vocab import Vocabulary
@@ -208,9 +210,32 @@ class Trainer:
                                      step=self.state.global_step)
             log.info("epoch %d val: %s", epoch,
                      " ".join(f"{k}={v:.1f}" for k, v in metrics.items()))
+            self.tracker.log_image(self.alignment_picture(), f"alignments/epoch-{epoch:03d}.png")
         if self.ctx.world_size > 1:
             dist.broadcast(rsum, src=0)
         return {**metrics, "rsum": float(rsum[0])}
+
+    @torch.no_grad()
+    def alignment_picture(self) -> Image.Image:
+        """Paper Figure 4 for the first val image: each fragment of its first caption linked to
+        its best box."""
+        data, device = self.eval_set, self.ctx.device
+        boxes = data.boxes[data.box_image == 0]
+        sentence = int((data.sentence_image == 0).nonzero()[0])
+        fragments = data.fragments[data.fragment_sentence == sentence]
+        image = unit_float(data.pixels[:1]).to(device)
+        was_training = self.model.training
+        self.model.eval()
+        v = self.model.image(image, boxes.to(device), torch.zeros(len(boxes), dtype=torch.long,
+                                                                   device=device))
+        box, score = best_boxes(v, self.model.sentence(fragments.to(device)))
+        self.model.train(was_training)
+        mode, words = self.cfg.model.fragment_mode, self.vocab.words
+        labels = [f"{self.vocab.relations[r] if mode == 'triplet' else mode}"
+                  f"({words[a]}, {words[b]})" for r, a, b in fragments.tolist()]
+        pixels = data.pixels[0].permute(1, 2, 0).numpy()
+        return render_alignment(Image.fromarray(pixels), boxes.tolist(), [data.captions[sentence]],
+                                labels, box.tolist(), score.tolist())
 
     def checkpoint(self) -> None:
         self.state.mlflow_run_id = self.tracker.run_id
