@@ -18,7 +18,6 @@ score 1.0, then at most `max_boxes` boxes by decreasing score.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 import cv2
@@ -28,6 +27,8 @@ import torchvision
 from PIL import Image
 from torchvision.ops import box_iou, clip_boxes_to_image, nms, roi_align
 from torchvision.transforms.functional import pil_to_tensor
+
+from trainer.backbones import build_backbone, load_state_dict
 
 # A candidate this close to the whole image repeats row 0 and is dropped.
 FULL_FRAME_IOU = 0.95
@@ -148,8 +149,6 @@ class SelectiveSearchSource(BoxSource):
             raise ValueError(f"selective search mode must be 'fast' or 'quality', got {mode!r}")
         if scoring not in ("roi", "crop"):
             raise ValueError(f"scoring must be 'roi' or 'crop', got {scoring!r}")
-        from trainer.backbones import build_backbone
-
         self.mode, self.max_proposals, self.scoring = mode, max_proposals, scoring
         self.score_size, self.roi_size, self.crop_size = score_size, roi_size, crop_size
         self.proposal_side, self.batch_size = proposal_side, batch_size
@@ -248,7 +247,7 @@ class DetectorSource(BoxSource):
                     f"machines must pass weights=PATH to a local state-dict file (.pth or "
                     f".safetensors) saved from torchvision.models.detection.{model}") from err
         else:
-            state = _load_state_dict(weights)
+            state = load_state_dict(weights, "detector")
             num_classes = state["roi_heads.box_predictor.cls_score.weight"].shape[0]
             net = torchvision.models.get_model(model, weights=None, weights_backbone=None,
                                                num_classes=num_classes, **kwargs)
@@ -263,18 +262,6 @@ class DetectorSource(BoxSource):
         pixels = pil_to_tensor(image).float().div(255).to(self.device)
         detections = self.net([pixels])[0]
         return detections["boxes"].cpu(), detections["scores"].cpu()
-
-
-def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A detector state dict from .safetensors or a torch file, never unpickling objects."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"detector weights file {path} does not exist")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 SOURCES: dict[str, type[BoxSource]] = {

