@@ -72,7 +72,8 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
         trainer.model.train()
         if phase == "frozen":  # a later phase-1 epoch: every box's features are cached
             for batch in batches:
-                trainer.cache.lookup(trainer.model, batch)
+                trainer.cache.lookup(trainer.model, batch.images, batch.boxes, batch.box_image,
+                                     batch.image_ids)
         out[f"{phase}_step_s"] = median_seconds(lambda b, e=epoch: trainer.train_step(b, e),
                                                 batches)
 

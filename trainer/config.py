@@ -61,6 +61,7 @@ class OptimConfig:
     batch_size: int = 100  # pairs per step, GLOBAL (split over the ranks)
     epochs: int = 20
     frozen_cnn_epochs: int = 10  # phase 1: C_0 with the CNN fixed; phase 2: MIL + finetuning
+    finetune_cnn: bool = True  # phase 2 finetunes the CNN; False: phase 2 is MIL, CNN fixed
     anneal_last_epochs: int = 2  # lr x anneal_factor for the last epochs
     anneal_factor: float = 0.1
     cnn_lr_scale: float = 1.0  # lr multiplier of the CNN parameters in phase 2
@@ -102,6 +103,7 @@ class RunConfig:
     bf16: bool = False  # bf16 autocast on CUDA (ignored on CPU, where it breaks BatchNorm)
     global_negatives: bool = True  # all-gather fragments: negatives span the global batch
     cache_frozen_features: bool = True  # phase 1: compute each box's frozen-CNN features once
+    feature_cache: str | None = None  # folder keeping them on disk for later runs; None: memory
     checkpoint_every_steps: int = 0  # also checkpoint every K steps (0: only at epoch ends)
     keep_checkpoints: int = 2  # newest step checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip the step | stop the run, on a NaN or inf loss

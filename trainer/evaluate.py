@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from trainer.config import Config
 from trainer.data import EvalSet, eval_set_from_shards, read_split
+from trainer.features import FeatureCache
 from trainer.model import DeFragModel
 from trainer.registry import load_model_folder
 
@@ -128,13 +129,21 @@ def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owne
 
 @torch.no_grad()
 def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device | str = "cpu",
-                   image_batch: int = 32) -> tuple[torch.Tensor, ...]:
-    """Fragment embeddings of a whole eval set: (v, v_image, s, s_sentence), on the CPU."""
+                   image_batch: int = 32,
+                   cache: FeatureCache | None = None) -> tuple[torch.Tensor, ...]:
+    """Fragment embeddings of a whole eval set: (v, v_image, s, s_sentence), on the CPU.
+
+    With a `cache` (the CNN is frozen), box features come from it and the CNN runs once."""
     was_training = model.training
     model.eval()
     v, v_image = [], []
     for chunk in eval_set.image_batches(image_batch, device):
-        v.append(model.image(chunk.images, chunk.boxes, chunk.box_image).float().cpu())
+        if cache is None:
+            features = model.image.region_features(chunk.images, chunk.boxes, chunk.box_image)
+        else:
+            ids = eval_set.image_ids[chunk.first:chunk.first + len(chunk.images)]
+            features = cache.lookup(model, chunk.images, chunk.boxes, chunk.box_image, ids)
+        v.append(model.image.project(features).float().cpu())
         v_image.append(chunk.box_image.cpu() + chunk.first)
     s = model.sentence(eval_set.fragments.to(device)).float().cpu()
     model.train(was_training)
@@ -142,9 +151,11 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
 
 
 def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
-                   device: torch.device | str = "cpu", progress: bool = False) -> dict[str, float]:
-    """retrieval_metrics of `model` on `eval_set` (plus hodosh_* keys when cfg.eval.hodosh)."""
-    v, v_image, s, s_sentence = embed_eval_set(model, eval_set, device)
+                   device: torch.device | str = "cpu", progress: bool = False,
+                   cache: FeatureCache | None = None) -> dict[str, float]:
+    """retrieval_metrics of `model` on `eval_set` (plus hodosh_* keys when cfg.eval.hodosh);
+    `cache`: the frozen CNN's features (see embed_eval_set)."""
+    v, v_image, s, s_sentence = embed_eval_set(model, eval_set, device, cache=cache)
     scores = score_matrix(v, v_image, s, s_sentence, eval_set.num_images,
                           eval_set.num_sentences, cfg.objective.smooth, cfg.eval.chunk_images,
                           cfg.eval.chunk_sentences, progress=progress)

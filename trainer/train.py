@@ -25,9 +25,10 @@ from trainer.data import Batch, load_eval_set, make_train_loader, unit_float
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate_model
+from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
-from trainer.pictures import best_boxes, render_alignment
+from trainer.pictures import best_boxes, fragment_labels, render_alignment
 from trainer.registry import save_model_folder
 from trainer.tracking import Tracker
 from trainer.vocab import Vocabulary
@@ -35,9 +36,14 @@ from trainer.vocab import Vocabulary
 log = logging.getLogger(__name__)
 
 
-def finetunes_cnn(epoch: int, cfg: Config) -> bool:
+def in_phase_two(epoch: int, cfg: Config) -> bool:
     """Phase 2 (MIL + CNN finetuning) starts after `frozen_cnn_epochs` epochs (paper 3.4)."""
     return epoch >= cfg.optim.frozen_cnn_epochs
+
+
+def finetunes_cnn(epoch: int, cfg: Config) -> bool:
+    """The CNN trains in phase 2 unless `optim.finetune_cnn` keeps it fixed (an ablation)."""
+    return cfg.optim.finetune_cnn and in_phase_two(epoch, cfg)
 
 
 def learning_rate(epoch: int, cfg: Config) -> float:
@@ -51,26 +57,6 @@ def image_fragments_per_pair(v_box: torch.Tensor, batch: Batch) -> tuple[torch.T
     """Each pair owns the box embeddings of its image: (v [Nv, d], v_owner [Nv])."""
     pairs, boxes = same_group_entries(batch.pair_image, batch.box_image)
     return v_box[boxes], pairs
-
-
-class FeatureCache:
-    """Phase 1: the fixed CNN's box features, computed once per image and reused every epoch."""
-
-    def __init__(self) -> None:
-        self.features: dict[str, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def lookup(self, model: DeFragModel, batch: Batch) -> torch.Tensor:
-        missing = [i for i, key in enumerate(batch.image_ids) if key not in self.features]
-        if missing:
-            fresh = model.image.region_features(batch.images, batch.boxes, batch.box_image)
-            for i in missing:
-                self.features[batch.image_ids[i]] = fresh[batch.box_image == i].cpu()
-        rows = [self.features[key] for key in batch.image_ids]
-        out = torch.empty(len(batch.boxes), rows[0].shape[1], device=batch.boxes.device)
-        for i, features in enumerate(rows):
-            out[batch.box_image == i] = features.to(out.device)
-        return out
 
 
 class Trainer:
@@ -88,7 +74,8 @@ class Trainer:
         self.loss_fn = DeFragLoss(cfg.objective.beta, cfg.objective.margin, cfg.objective.smooth,
                                   cfg.objective.mil, cfg.objective.balance,
                                   cfg.objective.use_fragment, cfg.objective.use_global)
-        self.cache = FeatureCache() if cfg.run.cache_frozen_features else None
+        self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
+                      if cfg.run.cache_frozen_features else None)
         self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
         self.engine = None
         self.engine_finetunes: bool | None = None
@@ -100,7 +87,7 @@ class Trainer:
             self.engine = build_engine(self.model, self.cfg, finetune, self.ctx.device,
                                        self.ctx.world_size)
             self.engine_finetunes = finetune
-            self.loss_fn.mil = self.cfg.objective.mil and finetune
+        self.loss_fn.mil = self.cfg.objective.mil and in_phase_two(epoch, self.cfg)
 
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint: the weights, and the optimizer unless the phase changed."""
@@ -152,7 +139,8 @@ class Trainer:
         """One SGD step on the global batch; returns the global loss terms."""
         features = None
         if self.cache is not None and not finetunes_cnn(epoch, self.cfg):
-            features = self.cache.lookup(self.model, batch)
+            features = self.cache.lookup(self.model, batch.images, batch.boxes, batch.box_image,
+                                         batch.image_ids)
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
             v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, batch.fragments,
@@ -204,7 +192,9 @@ class Trainer:
         rsum = torch.zeros(1)
         metrics: dict[str, float] = {}
         if self.ctx.is_main:
-            metrics = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device)
+            frozen = self.cache if not self.engine_finetunes else None
+            metrics = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device,
+                                     cache=frozen)
             rsum[0] = metrics["rsum"]
             self.tracker.log_metrics({f"val/{k}": v for k, v in metrics.items()},
                                      step=self.state.global_step)
@@ -230,14 +220,14 @@ class Trainer:
                                                                    device=device))
         box, score = best_boxes(v, self.model.sentence(fragments.to(device)))
         self.model.train(was_training)
-        mode, words = self.cfg.model.fragment_mode, self.vocab.words
-        labels = [f"{self.vocab.relations[r] if mode == 'triplet' else mode}"
-                  f"({words[a]}, {words[b]})" for r, a, b in fragments.tolist()]
+        labels = fragment_labels(fragments, self.vocab, self.cfg.model.fragment_mode)
         pixels = data.pixels[0].permute(1, 2, 0).numpy()
         return render_alignment(Image.fromarray(pixels), boxes.tolist(), [data.captions[sentence]],
                                 labels, box.tolist(), score.tolist())
 
     def checkpoint(self) -> None:
+        if self.cache is not None:
+            self.cache.save()
         self.state.mlflow_run_id = self.tracker.run_id
         self.state.finetunes_cnn = bool(self.engine_finetunes)
         save_checkpoint(self.engine, self.state, self.run_dir, self.ctx.rank,

@@ -1,0 +1,76 @@
+"""The frozen-CNN feature cache: exact features, computed once, kept on disk, stamp-checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import Config
+from trainer.features import FeatureCache, feature_stamp
+from trainer.model import DeFragModel
+from trainer.vocab import Vocabulary
+
+
+def tiny_model() -> DeFragModel:
+    cfg = Config.from_dict({"model": {"embed_dim": 8, "word_dim": 4}})
+    return DeFragModel.from_config(cfg.model, Vocabulary(["a", "b"], ["det"]), seed=0)
+
+
+def images_and_boxes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 3, 64, 64, generator=generator)
+    boxes = torch.tensor([[0, 0, 63, 63], [5, 5, 30, 40], [0, 0, 63, 63], [10, 2, 60, 50],
+                          [0, 0, 63, 63], [20, 20, 40, 40]], dtype=torch.float)
+    box_image = torch.tensor([1, 0, 0, 2, 1, 1])  # not grouped by image: order must be kept
+    return images, boxes, box_image, ["x", "y", "z"]
+
+
+def test_lookup_equals_the_cnn_and_reuses_cached_features(tmp_path: Path) -> None:
+    model = tiny_model().eval()
+    images, boxes, box_image, ids = images_and_boxes()
+    expected = model.image.region_features(images, boxes, box_image)
+    cache = FeatureCache()
+    torch.testing.assert_close(cache.lookup(model, images, boxes, box_image, ids), expected)
+    # Second lookup, in another batch order: served from the cache (the black images would
+    # give other features if the CNN ran again).
+    subset = torch.tensor([1, 3, 2])  # boxes of "x", "z", "x": batch images 1, 0, 1
+    again = cache.lookup(model, torch.zeros(2, 3, 64, 64), boxes[subset],
+                         torch.tensor([1, 0, 1]), ["z", "x"])
+    torch.testing.assert_close(again, expected[subset])
+    # A batch mixing a cached image ("x") and a new one ("w"): the CNN runs on "w" alone.
+    new_image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    mixed = cache.lookup(model, torch.cat([torch.zeros(1, 3, 64, 64), new_image]),
+                         boxes[[1, 5, 2]], torch.tensor([0, 1, 0]), ["x", "w"])
+    torch.testing.assert_close(mixed[[0, 2]], expected[[1, 2]])
+    torch.testing.assert_close(mixed[1:2], model.image.region_features(
+        new_image, boxes[[5]], torch.tensor([0])))
+
+
+def test_features_survive_on_disk_and_other_settings_are_refused(tmp_path: Path) -> None:
+    model = tiny_model().eval()
+    images, boxes, box_image, ids = images_and_boxes()
+    stamp = feature_stamp(Config())
+    first = FeatureCache(tmp_path / "cache", stamp, rank=1)
+    expected = first.lookup(model, images, boxes, box_image, ids)
+    first.save()
+    assert (tmp_path / "cache" / "rank-1.safetensors").is_file()
+    second = FeatureCache(tmp_path / "cache", stamp, rank=0)
+    assert set(second.features) == {"x", "y", "z"}
+    torch.testing.assert_close(second.lookup(model, torch.zeros_like(images), boxes, box_image,
+                                             ids), expected)
+    second.save()  # nothing new computed on rank 0: no file
+    assert not (tmp_path / "cache" / "rank-0.safetensors").exists()
+    other = feature_stamp(Config.from_dict({"model": {"image_size": 128}}))
+    with pytest.raises(ValueError, match="image_size differ"):
+        FeatureCache(tmp_path / "cache", other)
+
+
+def test_a_box_count_mismatch_is_an_error() -> None:
+    model = tiny_model().eval()
+    images, boxes, box_image, ids = images_and_boxes()
+    cache = FeatureCache()
+    cache.lookup(model, images, boxes, box_image, ids)
+    with pytest.raises(ValueError, match="image x has 1 boxes but 2 cached"):
+        cache.lookup(model, images[:1], boxes[:1], torch.tensor([0]), ["x"])

@@ -1,0 +1,110 @@
+"""Frozen-CNN region features, computed once per image and reused (phase 1, frozen-CNN runs).
+
+A fixed CNN (its BatchNorm included) makes each box's features a pure function of the image and
+its boxes, so they are cached by image id: in memory, and optionally in a folder on disk
+(`run.feature_cache`) that later runs and other experiments on the same shards reuse. Each rank
+writes the features it computed to its own safetensors file, stamped with the settings that
+produced them; a folder written with other settings is refused rather than silently mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trainer.config import Config
+from trainer.model import DeFragModel
+
+log = logging.getLogger(__name__)
+
+
+def feature_stamp(cfg: Config) -> dict[str, Any]:
+    """Everything the cached features depend on: the CNN, its input and the boxes' source."""
+    model = cfg.model
+    shards = str(Path(cfg.data.shards).resolve()) if cfg.data.shards else None
+    return {"backbone": model.backbone, "pretrained": model.pretrained,
+            "backbone_weights": model.backbone_weights, "image_size": model.image_size,
+            "region_mode": model.region_mode, "crop_size": model.crop_size,
+            "roi_output_size": model.roi_output_size,
+            "max_boxes": 1 if model.fullframe_only else cfg.data.max_boxes, "shards": shards}
+
+
+class FeatureCache:
+    """CNN(I_b) of every box of an image, by image id; `lookup` computes only what is missing."""
+
+    def __init__(self, folder: str | Path | None = None, stamp: dict[str, Any] | None = None,
+                 rank: int = 0) -> None:
+        self.folder = Path(folder) if folder else None
+        self.stamp = stamp or {}
+        self.rank = rank
+        self.features: dict[str, torch.Tensor] = {}
+        self.computed: set[str] = set()  # ids this rank computed (and writes to its own file)
+        self.unsaved = 0
+        if self.folder is not None and self.folder.is_dir():
+            self._load()
+
+    @torch.no_grad()
+    def lookup(self, model: DeFragModel, images: torch.Tensor, boxes: torch.Tensor,
+               box_image: torch.Tensor, image_ids: list[str]) -> torch.Tensor:
+        """Features [len(boxes), feature_dim] of the boxes of `images`, on the boxes' device."""
+        missing = [i for i, key in enumerate(image_ids) if key not in self.features]
+        if missing:  # the CNN runs on the missing images only
+            new_row = torch.full((len(image_ids),), -1, dtype=torch.long, device=box_image.device)
+            new_row[missing] = torch.arange(len(missing), device=box_image.device)
+            keep = new_row[box_image] >= 0
+            fresh = model.image.region_features(images[missing], boxes[keep],
+                                                new_row[box_image[keep]]).float().cpu()
+            owner = new_row[box_image[keep]].cpu()
+            for row, i in enumerate(missing):
+                self.features[image_ids[i]] = fresh[owner == row]
+                self.computed.add(image_ids[i])
+            self.unsaved += len(missing)
+        counts = torch.bincount(box_image, minlength=len(image_ids)).tolist()
+        for key, count in zip(image_ids, counts, strict=True):
+            if len(self.features[key]) != count:
+                raise ValueError(f"feature cache: image {key} has {count} boxes but "
+                                 f"{len(self.features[key])} cached; the cache folder "
+                                 f"{self.folder} belongs to other boxes: delete it")
+        rows = torch.cat([self.features[key] for key in image_ids])
+        order = torch.argsort(box_image, stable=True)  # rows are grouped by image, in id order
+        out = torch.empty_like(rows)
+        out[order] = rows
+        return out.to(boxes.device)
+
+    def save(self) -> None:
+        """Write this rank's new features to `<folder>/rank-<r>.safetensors` (atomically)."""
+        if self.folder is None or not self.unsaved:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"rank-{self.rank}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tensors = {key: self.features[key].contiguous() for key in sorted(self.computed)}
+        save_file(tensors, tmp, metadata={"stamp": json.dumps(self.stamp, sort_keys=True)})
+        os.replace(tmp, path)
+        self.unsaved = 0
+        log.info("feature cache: %d images written to %s", len(tensors), path)
+
+    def _load(self) -> None:
+        for path in sorted(self.folder.glob("rank-*.safetensors")):
+            with safe_open(path, framework="pt") as handle:
+                stamp = json.loads((handle.metadata() or {}).get("stamp", "{}"))
+                if stamp != self.stamp:
+                    diff = sorted(k for k in {*stamp, *self.stamp}
+                                  if stamp.get(k) != self.stamp.get(k))
+                    raise ValueError(f"feature cache {path} was made with other settings "
+                                     f"({', '.join(diff)} differ): point run.feature_cache at "
+                                     f"another folder or delete this one")
+                keys = handle.keys()  # a safe_open handle is not iterable
+                for key in keys:
+                    self.features[key] = handle.get_tensor(key)
+                    if path.name == f"rank-{self.rank}.safetensors":
+                        self.computed.add(key)
+        if self.features:
+            log.info("feature cache: %d images read from %s", len(self.features), self.folder)
