@@ -6,6 +6,7 @@
         --split-map restval=train
     python -m featurizer jsonl --jsonl captions.jsonl --out data/mine --vocab data/f8k
     python -m featurizer synthetic --out data/synthetic   # generated scenes, spaCy, given boxes
+    python -m featurizer wordvecs --shards data/f8k --out data/f8k/word2vec-200.txt
 
 See featurizer/__init__.py for the output format.
 """
@@ -32,6 +33,7 @@ from featurizer.sources import (
     rename_splits,
 )
 from featurizer.synthetic import DEFAULT_NUM_TRAIN, DEFAULT_NUM_VAL, generate
+from featurizer.wordvecs import learn_word_vectors
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -123,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--seed", type=int, default=0)
     synthetic.add_argument("--image-size", type=int, default=128, help="image side in pixels")
     synthetic.set_defaults(parser="spacy", boxes="given")
+
+    wordvecs = commands.add_parser(
+        "wordvecs", help="learn word2vec vectors from a featurized set's training captions")
+    wordvecs.add_argument("--shards", type=Path, required=True, help="featurizer output folder")
+    wordvecs.add_argument("--out", type=Path, required=True, help="word2vec text file to write")
+    wordvecs.add_argument("--dim", type=int, default=200, help="vector size (paper: 200)")
+    wordvecs.add_argument("--epochs", type=int, default=10, help="passes over the captions")
+    wordvecs.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -163,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    if args.source == "wordvecs":
+        try:
+            count = learn_word_vectors(args.shards, args.out, args.dim, epochs=args.epochs,
+                                       seed=args.seed)
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{count} word vectors of size {args.dim} written to {args.out}")
+        return 0
     try:
         manifest = featurize(read_source(args), settings_from(args, argv))
     except (ValueError, FileNotFoundError, ParserUnavailable) as err:

@@ -213,7 +213,7 @@ def test_image_encoder_batched_boxes_land_on_their_image(lite0, mode: str) -> No
         assert (v[0] - v[2]).abs().max() > 1e-2
         features = encoder.region_features(batch, BOXES, BOX_IMAGE)
         assert features.shape == (5, lite0.feature_dim)
-        torch.testing.assert_close(encoder.project(features), v)
+        torch.testing.assert_close(encoder.project(features, BOX_IMAGE), v)
 
 
 def test_crop_mode_whole_image_equals_backbone_on_full_image(lite0) -> None:
@@ -308,7 +308,7 @@ def test_defrag_model_from_config_end_to_end(tmp_path: Path) -> None:
     fragments = torch.cat([vocab.encode(c) for c in captions])
     assert fragments.tolist() == [[0, 1, 0], [2, 1, 3], [1, 2, 1]]
     model.train()
-    v, s = model(images(2, 64), BOXES[:3], BOX_IMAGE[:3], fragments)
+    v, s = model(images(2, 64), BOXES[:3], BOX_IMAGE[:3], fragments, torch.tensor([0, 0, 0]))
     assert v.shape == (3, 16) and s.shape == (3, 16)
     (v @ s.T).sum().backward()
 
@@ -330,3 +330,26 @@ def test_defrag_model_from_config_end_to_end(tmp_path: Path) -> None:
                     region_mode="crop", crop_size=64), vocab)
     assert trained.sentence.weight.shape == (1, 16, 16)
     assert any(p is trained.sentence.word_vectors for p in trained.head_parameters())
+
+
+def test_mean_pool_is_the_devise_style_baseline(lite0) -> None:
+    """model.mean_pool: v = W_m mean(CNN(I_b)) + b_m per image; s = ReLU(W [e; e] + b) of the
+    mean word vector e per sentence (BoW fragments), each repeated for its fragments."""
+    torch.manual_seed(0)
+    words = torch.randn(6, 4)
+    sentence = SentenceEncoder(words, 1, 8, mean_pool=True)
+    fragments = torch.tensor([[0, 1, 1], [0, 2, 2], [0, 5, 5], [0, 3, 3]])
+    owner = torch.tensor([0, 0, 1, 0])
+    s = sentence(fragments, owner)
+    for row in range(len(fragments)):
+        mean = words[fragments[owner == owner[row], 1]].mean(0)
+        expected = torch.relu(sentence.weight[0] @ torch.cat([mean, mean]) + sentence.bias[0])
+        torch.testing.assert_close(s[row], expected)
+    with pytest.raises(ValueError, match="sentence"):
+        sentence(fragments)
+    encoder = ImageEncoder(lite0, 8, mean_pool=True).eval()
+    features = torch.randn(5, lite0.feature_dim)
+    v = encoder.project(features, BOX_IMAGE)
+    for row, image in enumerate(BOX_IMAGE.tolist()):
+        mean = features[BOX_IMAGE.eq(image)].mean(0)
+        torch.testing.assert_close(v[row], encoder.projection(mean))

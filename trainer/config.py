@@ -36,6 +36,10 @@ class ModelConfig:
     roi_output_size: int = 7  # RoIAlign output grid on the feature map in roi mode
     freeze_batchnorm: bool = True  # keep BN statistics and affine params fixed (tiny batches)
     fullframe_only: bool = False  # ablation: only the whole-image box
+    # DeViSE-style baseline: an image is the mean of its region embeddings and a sentence the
+    # mean of its word vectors (fragment_mode bow) through one W_R; use objective.smooth = 0
+    # and the global objective alone, so an image-sentence score is max(0, mean v . mean s).
+    mean_pool: bool = False
 
 
 @dataclass

@@ -143,9 +143,10 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
         else:
             ids = eval_set.image_ids[chunk.first:chunk.first + len(chunk.images)]
             features = cache.lookup(model, chunk.images, chunk.boxes, chunk.box_image, ids)
-        v.append(model.image.project(features).float().cpu())
+        v.append(model.image.project(features, chunk.box_image).float().cpu())
         v_image.append(chunk.box_image.cpu() + chunk.first)
-    s = model.sentence(eval_set.fragments.to(device)).float().cpu()
+    s = model.sentence(eval_set.fragments.to(device),
+                       eval_set.fragment_sentence.to(device)).float().cpu()
     model.train(was_training)
     return torch.cat(v), torch.cat(v_image), s, eval_set.fragment_sentence
 

@@ -24,11 +24,23 @@ REGION_MODES = ("roi", "crop")
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
+def mean_by_owner(x: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Each row of x replaced by the mean of the rows with its owner (same shape, differentiable).
+
+    The DeViSE-style baseline (`model.mean_pool`): every fragment of an image or a sentence
+    becomes their mean, so the fragment scores of eq. 8 reduce to one mean-vs-mean score.
+    """
+    num_owners = int(owner.max()) + 1 if len(owner) else 0
+    sums = x.new_zeros(num_owners, x.shape[1]).index_add(0, owner, x)
+    counts = torch.bincount(owner, minlength=num_owners).clamp(min=1).to(x.dtype)
+    return (sums / counts[:, None])[owner]
+
+
 class SentenceEncoder(nn.Module):
     """Eq. 1: one (W_R, b_R) per relation type over the concatenated word vectors, then ReLU."""
 
     def __init__(self, word_vectors: torch.Tensor, num_relations: int, embed_dim: int,
-                 train_word_vectors: bool = False) -> None:
+                 train_word_vectors: bool = False, mean_pool: bool = False) -> None:
         super().__init__()
         if num_relations < 1:
             raise ValueError(f"sentence encoder: need at least one relation type, got "
@@ -43,12 +55,16 @@ class SentenceEncoder(nn.Module):
         nn.init.normal_(self.weight, std=(2.0 / fan_in) ** 0.5)
         self.num_relations = num_relations
         self.embed_dim = embed_dim
+        self.mean_pool = mean_pool
 
-    def forward(self, fragments: torch.Tensor) -> torch.Tensor:
+    def forward(self, fragments: torch.Tensor,
+                sentence: torch.Tensor | None = None) -> torch.Tensor:
         """Fragments [Ns, 3] of (relation, w1, w2) ids -> embeddings s [Ns, embed_dim].
 
         Rows are sorted by relation so each W_R is one matmul over its contiguous group (every
         W_R joins the graph, even with an empty group, so all parameters always get a gradient).
+        With `mean_pool`, each fragment's pre-activation is replaced by the mean over its
+        `sentence` [Ns] (the linear map of the mean word vectors in BoW mode), then ReLU.
         """
         relation = fragments[:, 0]
         words = F.embedding(fragments[:, 1:], self.word_vectors).flatten(1)  # [Ns, 2d]
@@ -62,7 +78,12 @@ class SentenceEncoder(nn.Module):
         # full-size [R, embed_dim, 2d] gradients (measured 2-7x faster on CPU).
         sorted_s = torch.cat([torch.addmm(b, x, w.T) for w, b, x in
                               zip(self.weight.unbind(0), self.bias.unbind(0), groups, strict=True)])
-        return torch.relu(sorted_s[torch.argsort(order)])
+        s = sorted_s[torch.argsort(order)]
+        if self.mean_pool:
+            if sentence is None:
+                raise ValueError("mean-pooled sentence encoder: pass each fragment's sentence")
+            s = mean_by_owner(s, sentence)
+        return torch.relu(s)
 
 
 class ImageEncoder(nn.Module):
@@ -70,7 +91,7 @@ class ImageEncoder(nn.Module):
 
     def __init__(self, backbone: Backbone, embed_dim: int, region_mode: str = "roi",
                  crop_size: int = 224, roi_output_size: int = 7,
-                 freeze_batchnorm: bool = True) -> None:
+                 freeze_batchnorm: bool = True, mean_pool: bool = False) -> None:
         super().__init__()
         if region_mode not in REGION_MODES:
             raise ValueError(f"region mode {region_mode!r}: expected one of {REGION_MODES}")
@@ -79,6 +100,7 @@ class ImageEncoder(nn.Module):
         self.crop_size = crop_size
         self.roi_output_size = roi_output_size
         self.freeze_batchnorm = freeze_batchnorm
+        self.mean_pool = mean_pool
         self.cnn_trainable = True
         # The ImageNet classifier is not part of eq. 2: never trained (DDP would wait for its
         # gradients forever).
@@ -92,7 +114,7 @@ class ImageEncoder(nn.Module):
     def forward(self, images: torch.Tensor, boxes: torch.Tensor,
                 box_image: torch.Tensor) -> torch.Tensor:
         """Image fragments v [Nv, embed_dim] of the boxes (see `region_features`)."""
-        return self.project(self.region_features(images, boxes, box_image))
+        return self.project(self.region_features(images, boxes, box_image), box_image)
 
     def region_features(self, images: torch.Tensor, boxes: torch.Tensor,
                         box_image: torch.Tensor) -> torch.Tensor:
@@ -116,9 +138,13 @@ class ImageEncoder(nn.Module):
         crops = torchvision.ops.roi_align(pixels, rois, output_size=self.crop_size, aligned=True)
         return self.backbone.pool(self.backbone.features(crops))
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """W_m features + b_m (eq. 2): CNN features [Nv, feature_dim] -> [Nv, embed_dim]."""
-        return self.projection(features)
+    def project(self, features: torch.Tensor, box_image: torch.Tensor) -> torch.Tensor:
+        """W_m features + b_m (eq. 2): CNN features [Nv, feature_dim] -> [Nv, embed_dim].
+
+        With `mean_pool`, every box of an image gets the image's mean (W_m is affine: the
+        projection of its mean region feature)."""
+        v = self.projection(features)
+        return mean_by_owner(v, box_image) if self.mean_pool else v
 
     def set_cnn_trainable(self, flag: bool) -> None:
         """Train (phase 2) or fix (phase 1) the CNN's parameters.
@@ -180,13 +206,13 @@ class DeFragModel(nn.Module):
             torch.manual_seed(seed)
             backbone = build_backbone(cfg.backbone, cfg.pretrained, cfg.backbone_weights)
             sentence = SentenceEncoder(word_vectors, vocab.num_relations(cfg.fragment_mode),
-                                       cfg.embed_dim, cfg.train_word_vectors)
+                                       cfg.embed_dim, cfg.train_word_vectors, cfg.mean_pool)
             image = ImageEncoder(backbone, cfg.embed_dim, cfg.region_mode, cfg.crop_size,
-                                 cfg.roi_output_size, cfg.freeze_batchnorm)
+                                 cfg.roi_output_size, cfg.freeze_batchnorm, cfg.mean_pool)
         return cls(sentence, image)
 
     def forward(self, images: torch.Tensor, boxes: torch.Tensor, box_image: torch.Tensor,
-                fragments: torch.Tensor,
+                fragments: torch.Tensor, fragment_sentence: torch.Tensor,
                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image fragments v [Nv, embed_dim] (eq. 2) and sentence fragments s [Ns, embed_dim]
         (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs.
@@ -194,7 +220,8 @@ class DeFragModel(nn.Module):
         skipped."""
         if features is None:
             features = self.image.region_features(images, boxes, box_image)
-        return self.image.project(features), self.sentence(fragments)
+        return self.image.project(features, box_image), self.sentence(fragments,
+                                                                      fragment_sentence)
 
     def cnn_parameters(self) -> list[nn.Parameter]:
         """The CNN's parameters (its own optimizer group: lr scale, phase-2 finetuning)."""

@@ -29,6 +29,7 @@ from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
 from trainer.pictures import best_boxes, fragment_labels, render_alignment
+from trainer.preemption import acknowledge, stop_requested
 from trainer.registry import save_model_folder
 from trainer.tracking import Tracker
 from trainer.vocab import Vocabulary
@@ -130,6 +131,9 @@ class Trainer:
                 self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
                                           "train/lr": lr, "train/pairs_per_s": rate},
                                          step=self.state.global_step)
+            if stop_requested(self.run_dir, self.ctx):  # e.g. SLURM's time limit is near
+                self.checkpoint()
+                raise acknowledge(self.run_dir, self.ctx, self.state.global_step)
             every = self.cfg.run.checkpoint_every_steps
             if every and self.state.global_step % every == 0 and self.state.step_in_epoch < steps:
                 self.checkpoint()
@@ -144,7 +148,7 @@ class Trainer:
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
             v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, batch.fragments,
-                                   features=features)
+                                   batch.fragment_pair, features=features)
         v, v_owner = image_fragments_per_pair(v_box.float(), batch)
         s, s_owner = s.float(), batch.fragment_pair
         world = self.ctx.world_size
@@ -218,7 +222,10 @@ class Trainer:
         self.model.eval()
         v = self.model.image(image, boxes.to(device), torch.zeros(len(boxes), dtype=torch.long,
                                                                    device=device))
-        box, score = best_boxes(v, self.model.sentence(fragments.to(device)))
+        sentence_fragments = self.model.sentence(fragments.to(device),
+                                                 torch.zeros(len(fragments), dtype=torch.long,
+                                                             device=device))
+        box, score = best_boxes(v, sentence_fragments)
         self.model.train(was_training)
         labels = fragment_labels(fragments, self.vocab, self.cfg.model.fragment_mode)
         pixels = data.pixels[0].permute(1, 2, 0).numpy()
