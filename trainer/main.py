@@ -2,7 +2,8 @@
 
 Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
 latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
-(trainer/train.py), and registers the best model in MLflow.
+(trainer/train.py), and registers the best model in MLflow. A run asked to stop
+(trainer/preemption.py) checkpoints and exits 0 without registering.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trainer.checkpoint import TrainState, clear_partial, latest_checkpoint, loa
 from trainer.config import Config
 from trainer.distributed import DistContext, init_distributed
 from trainer.model import DeFragModel
+from trainer.preemption import Preempted
 from trainer.tracking import Tracker
 from trainer.train import Trainer
 from trainer.vocab import Vocabulary
@@ -63,7 +65,11 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     trainer = Trainer(cfg, ctx, model, vocab, tracker, state)
     if checkpoint:
         trainer.resume(checkpoint)
-    state = trainer.fit()
+    try:
+        state = trainer.fit()
+    except Preempted:
+        tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
+        raise
     summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_rsum,
                "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
                "tracking_uri": tracker.tracking_uri}
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = train(cfg, ctx, args.resume)
         if ctx.is_main:
             print(json.dumps(summary))
+    except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
+        log.info("%s", stop)
     except Exception:
         log.exception("training failed")
         code = 1
