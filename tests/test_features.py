@@ -48,23 +48,28 @@ def test_lookup_equals_the_cnn_and_reuses_cached_features(tmp_path: Path) -> Non
         new_image, boxes[[5]], torch.tensor([0])))
 
 
-def test_features_survive_on_disk_and_other_settings_are_refused(tmp_path: Path) -> None:
+def test_features_survive_on_disk_per_settings(tmp_path: Path) -> None:
     model = tiny_model().eval()
     images, boxes, box_image, ids = images_and_boxes()
     stamp = feature_stamp(Config())
-    first = FeatureCache(tmp_path / "cache", stamp, rank=1)
+    first = FeatureCache(tmp_path, stamp, rank=1)
     expected = first.lookup(model, images, boxes, box_image, ids)
     first.save()
-    assert (tmp_path / "cache" / "rank-1.safetensors").is_file()
-    second = FeatureCache(tmp_path / "cache", stamp, rank=0)
-    assert set(second.features) == {"x", "y", "z"}
+    assert (first.folder / "rank-1.safetensors").is_file()
+    second = FeatureCache(tmp_path, stamp, rank=0)
+    assert second.folder == first.folder and set(second.features) == {"x", "y", "z"}
     torch.testing.assert_close(second.lookup(model, torch.zeros_like(images), boxes, box_image,
                                              ids), expected)
     second.save()  # nothing new computed on rank 0: no file
-    assert not (tmp_path / "cache" / "rank-0.safetensors").exists()
-    other = feature_stamp(Config.from_dict({"model": {"image_size": 128}}))
+    assert not (second.folder / "rank-0.safetensors").exists()
+    # Other settings: another subfolder, nothing shared.
+    other = FeatureCache(tmp_path, feature_stamp(Config.from_dict({"model": {"image_size": 128}})))
+    assert other.folder != first.folder and not other.features
+    # A file whose stamp does not match its folder (moved by hand) is refused.
+    other.folder.mkdir()
+    (first.folder / "rank-1.safetensors").rename(other.folder / "rank-1.safetensors")
     with pytest.raises(ValueError, match="image_size differ"):
-        FeatureCache(tmp_path / "cache", other)
+        FeatureCache(tmp_path, other.stamp)
 
 
 def test_a_box_count_mismatch_is_an_error() -> None:

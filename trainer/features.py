@@ -2,13 +2,15 @@
 
 A fixed CNN (its BatchNorm included) makes each box's features a pure function of the image and
 its boxes, so they are cached by image id: in memory, and optionally in a folder on disk
-(`run.feature_cache`) that later runs and other experiments on the same shards reuse. Each rank
-writes the features it computed to its own safetensors file, stamped with the settings that
-produced them; a folder written with other settings is refused rather than silently mixed.
+(`run.feature_cache`) that later runs and other experiments on the same shards reuse. The
+features of one set of settings (`feature_stamp`) live in a subfolder named by the settings'
+hash, so runs with other settings (image size, boxes, backbone) never mix theirs; each rank
+writes the features it computed to its own safetensors file there, stamped with the settings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,8 +43,9 @@ class FeatureCache:
 
     def __init__(self, folder: str | Path | None = None, stamp: dict[str, Any] | None = None,
                  rank: int = 0) -> None:
-        self.folder = Path(folder) if folder else None
         self.stamp = stamp or {}
+        key = hashlib.sha256(json.dumps(self.stamp, sort_keys=True).encode()).hexdigest()[:16]
+        self.folder = Path(folder) / key if folder else None
         self.rank = rank
         self.features: dict[str, torch.Tensor] = {}
         self.computed: set[str] = set()  # ids this rank computed (and writes to its own file)
@@ -99,8 +102,8 @@ class FeatureCache:
                     diff = sorted(k for k in {*stamp, *self.stamp}
                                   if stamp.get(k) != self.stamp.get(k))
                     raise ValueError(f"feature cache {path} was made with other settings "
-                                     f"({', '.join(diff)} differ): point run.feature_cache at "
-                                     f"another folder or delete this one")
+                                     f"({', '.join(diff)} differ) than its folder's name says: "
+                                     f"it was moved or altered; delete it")
                 keys = handle.keys()  # a safe_open handle is not iterable
                 for key in keys:
                     self.features[key] = handle.get_tensor(key)

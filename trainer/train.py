@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -102,8 +103,9 @@ class Trainer:
         for epoch in range(self.state.epoch, self.cfg.optim.epochs):
             self.prepare_engine(epoch)
             self.state.epoch = epoch
+            started = time.perf_counter()
             self.train_epoch(epoch)
-            self.end_epoch(epoch)
+            self.end_epoch(epoch, train_seconds=time.perf_counter() - started)
         return self.state
 
     def train_epoch(self, epoch: int) -> None:
@@ -180,9 +182,20 @@ class Trainer:
         self.engine.skip_step()
         return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
 
-    def end_epoch(self, epoch: int) -> None:
-        """Validate on rank 0, keep the best model by val rsum, checkpoint (all ranks)."""
+    def end_epoch(self, epoch: int, train_seconds: float) -> None:
+        """Validate on rank 0, keep the best model by val rsum, checkpoint (all ranks).
+
+        Rank 0 appends the epoch's timings and val metrics to `<run_dir>/history.jsonl`."""
+        started = time.perf_counter()
         metrics = self.validate(epoch)
+        if self.ctx.is_main:
+            times = {"train_s": round(train_seconds, 1),
+                     "val_s": round(time.perf_counter() - started, 1)}
+            self.tracker.log_metrics({f"time/{k}": v for k, v in times.items()},
+                                     step=self.state.global_step)
+            with (self.run_dir / "history.jsonl").open("a") as history:
+                history.write(json.dumps({"epoch": epoch, "finetunes_cnn": bool(
+                    self.engine_finetunes), **times, **metrics}) + "\n")
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
         if metrics["rsum"] > self.state.best_rsum:
             self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
