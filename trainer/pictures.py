@@ -8,9 +8,13 @@ the sentences and each fragment with its box's colour tag and score. Plain PIL, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:
+    from trainer.vocab import Vocabulary
 
 IMAGE_SIDE = 480  # the drawn image's longer side in pixels (Flickr images are ~500)
 PANEL_WIDTH = 460  # the text column beside the image
@@ -33,6 +37,14 @@ def best_boxes(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raise ValueError("best_boxes: no image fragments to align to")
     score, box = (s.detach() @ v.detach().T).max(dim=1)
     return box, score
+
+
+def fragment_labels(fragments: torch.Tensor, vocab: Vocabulary, mode: str) -> list[str]:
+    """Readable names of sentence fragments [Ns, 3] of (relation, w1, w2) ids: `rel(w1, w2)`,
+    with the mode's name in place of the relation for the BoW and bigram ablations."""
+    words = vocab.words
+    return [f"{vocab.relations[r] if mode == 'triplet' else mode}({words[a]}, {words[b]})"
+            for r, a, b in fragments.tolist()]
 
 
 def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],
