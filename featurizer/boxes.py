@@ -275,11 +275,24 @@ def make_box_source(name: str, **options: Any) -> BoxSource:
 
     Unknown options are an error naming the options the source takes.
     """
-    if name not in SOURCES:
-        raise ValueError(f"unknown box source {name!r}; choose one of {sorted(SOURCES)}")
-    source = SOURCES[name]
-    known = [p for p in inspect.signature(source.__init__).parameters if p != "self"]
+    known = _options_of(name)
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"box source {name!r} takes no option(s) {unknown}; it takes {known}")
-    return source(**options)
+    return SOURCES[name](**options)
+
+
+def rebuild_box_source(description: dict[str, Any]) -> BoxSource:
+    """The box source a `BoxSource.describe()` (e.g. a shard manifest's) records, to box new
+    images like the training set; descriptive entries that are not options are left out."""
+    name = description["name"]
+    known = _options_of(name)
+    return make_box_source(name, **{key: value for key, value
+                                     in description.get("options", {}).items() if key in known})
+
+
+def _options_of(name: str) -> list[str]:
+    """The options (constructor parameters) of box source `name`."""
+    if name not in SOURCES:
+        raise ValueError(f"unknown box source {name!r}; choose one of {sorted(SOURCES)}")
+    return [p for p in inspect.signature(SOURCES[name].__init__).parameters if p != "self"]

@@ -36,6 +36,10 @@ class ParsedCaption:
     tokens: list[str]
     triplets: list[list[str]]
 
+    def caption(self, text: str) -> dict:
+        """The caption as shards store it and `Vocabulary.encode` reads it."""
+        return {"text": text, "tokens": self.tokens, "triplets": self.triplets}
+
 
 class Parser(Protocol):
     name: str

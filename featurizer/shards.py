@@ -150,8 +150,7 @@ def _usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCapt
     captions = []
     for caption, fragments in parsed:
         if fragments.tokens:
-            captions.append({"text": caption.text, "tokens": fragments.tokens,
-                             "triplets": fragments.triplets})
+            captions.append(fragments.caption(caption.text))
         else:
             problems.append(Problem(caption.origin, NO_WORDS,
                                     f"{record.file}: caption {caption.text!r} has no words",

@@ -235,6 +235,20 @@ def test_download_refuses_an_altered_store_copy(store: tuple[Tracker, DeFragMode
     assert list(tmp_path.iterdir()) == []
 
 
+def test_download_refuses_an_incomplete_store_copy(store: tuple[Tracker, DeFragModel],
+                                                   tmp_path: Path) -> None:
+    tracker, _ = store
+    weights = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix(
+        "file://")) / "model-2" / WEIGHTS
+    moved = weights.rename(tmp_path / WEIGHTS)
+    try:
+        with pytest.raises(ModelFolderError, match=f"{WEIGHTS} is missing .incomplete copy"):
+            download_model("models:/defrag@champion", tmp_path / "dst", tracker.tracking_uri)
+    finally:
+        moved.rename(weights)
+    assert list(tmp_path.iterdir()) == []  # no dst, no staging left
+
+
 def test_cli_errors_are_one_clear_line(store: tuple[Tracker, DeFragModel], tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -1,0 +1,299 @@
+"""trainer/retrieve.py end to end through `main([...])` on a tiny model and generated scenes:
+scores equal the evaluation's, the index cache is reused and invalidated, --explain draws the
+alignment, and bad inputs give clear messages."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import trainer.retrieve as retrieve
+from featurizer.boxes import make_box_source, rebuild_box_source
+from featurizer.parsing import make_parser
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
+from trainer.config import Config, DataConfig, ModelConfig
+from trainer.data import load_eval_set
+from trainer.evaluate import embed_eval_set, score_matrix
+from trainer.model import DeFragModel
+from trainer.pictures import best_boxes, fragment_labels
+from trainer.registry import load_model_folder, save_model_folder
+from trainer.vocab import Vocabulary
+
+NUM_VAL = 4
+
+
+class World:
+    """A tiny model trained (well, initialised) on shards of generated scenes with whole-image
+    boxes, a folder holding the val images and a file holding their captions."""
+
+    def __init__(self, root: Path) -> None:
+        jsonl = generate(root / "source", num_train=4, num_val=NUM_VAL, seed=0, image_size=64)
+        self.shards = root / "shards"
+        featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+                  Settings(out=self.shards, parser="spacy", boxes="fullframe", shard_size=10,
+                           workers=1, min_word_count=1))
+        self.vocab = Vocabulary.load(self.shards / "vocab.json")
+        self.cfg = Config(model=ModelConfig(embed_dim=16, word_dim=8, pretrained=False,
+                                            image_size=64),
+                          data=DataConfig(shards=str(self.shards), val_split="val"))
+        self.model_dir = self.save_model(root / "model", seed=0)
+        self.images = root / "images"
+        self.images.mkdir()
+        for path in sorted((root / "source" / "images").glob("val_*.png")):
+            shutil.copy2(path, self.images / path.name)
+        self.names = sorted(p.name for p in self.images.iterdir())
+        records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        self.captions = [c for r in records if r["split"] == "val" for c in r["captions"]]
+        self.sentences = root / "sentences.txt"
+        self.sentences.write_text("\n".join(self.captions) + "\n")
+
+    def save_model(self, folder: Path, seed: int) -> Path:
+        model = DeFragModel.from_config(self.cfg.model, self.vocab, seed=seed)
+        return save_model_folder(folder, model, self.cfg, self.vocab)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return World(tmp_path_factory.mktemp("retrieve"))
+
+
+@pytest.fixture
+def images(world: World, tmp_path: Path) -> Path:
+    """A copy of the images folder a test may change (and index)."""
+    return Path(shutil.copytree(world.images, tmp_path / "images"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> dict:
+    """main([...]) with --json; its report."""
+    retrieve.main([str(arg) for arg in argv] + ["--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> str:
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    caplog.clear()
+    return text
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="trainer.retrieve")
+
+
+# ---------------------------------------------------------------- scores
+
+
+def test_queries_score_like_the_evaluation(world: World, images: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    model, cfg, vocab = load_model_folder(world.model_dir)
+    eval_set = load_eval_set(cfg, vocab, "val")
+    assert eval_set.captions == world.captions
+    v, v_image, s, s_sentence = embed_eval_set(model, eval_set)
+    scores = score_matrix(v, v_image, s, s_sentence, eval_set.num_images,
+                          eval_set.num_sentences, cfg.objective.smooth)
+
+    report = run(capsys, "--model", world.model_dir, "--images", images, "--sentences",
+                 world.sentences, "--query", world.captions[6], "--query-image",
+                 images / world.names[1], "--top-k", str(NUM_VAL))
+    assert (report["images"], report["sentences"]) == (NUM_VAL, len(world.captions))
+    by_image, by_sentence = report["queries"]
+    got = {r["image"]: r["score"] for r in by_image["results"]}
+    expected = dict(zip(world.names, scores[:, 6].tolist(), strict=True))
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert [r["score"] for r in by_image["results"]] == sorted(got.values(), reverse=True)
+    assert by_image["fragments"] == int((s_sentence == 6).sum())
+
+    best = torch.argsort(scores[1], descending=True, stable=True)[:NUM_VAL].tolist()
+    assert [r["line"] for r in by_sentence["results"]] == [j + 1 for j in best]
+    assert [r["sentence"] for r in by_sentence["results"]] == [world.captions[j] for j in best]
+    assert [r["score"] for r in by_sentence["results"]] == pytest.approx(
+        scores[1, best].tolist(), abs=1e-5)
+    assert by_sentence["boxes"] == 1  # the training shards' box source: fullframe
+
+
+def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture) -> None:
+    given = make_box_source("given", max_boxes=5).describe()
+    assert rebuild_box_source(given).max_boxes == 5  # description entries that are no option
+    fullframe = make_box_source("fullframe").describe()
+    cfg = Config()
+    assert retrieve._choose_boxes(cfg, {"box_source": fullframe}, None, None) == fullframe
+    assert retrieve._choose_boxes(cfg, {"box_source": given}, None, None)["name"] == (
+        "selective_search")
+    assert "trained on 'given' boxes, which new images do not have" in messages(caplog)
+    assert retrieve._choose_boxes(cfg, {"box_source": fullframe}, "detector", "w.pth") == {
+        "name": "detector", "options": {"weights": "w.pth"}}
+    only = Config(model=ModelConfig(fullframe_only=True))
+    assert retrieve._choose_boxes(only, None, "selective_search", None)["name"] == "fullframe"
+
+
+# ---------------------------------------------------------------- the index cache
+
+
+def test_index_is_reused_then_invalidated(world: World, images: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str],
+                                          caplog: pytest.LogCaptureFixture,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    query = world.captions[0]
+    argv = ["--model", world.model_dir, "--images", images, "--sentences", world.sentences,
+            "--query", query, "--top-k", str(NUM_VAL)]
+    first = run(capsys, *argv)
+    assert f"{NUM_VAL} images written" in messages(caplog)
+    index = images / retrieve.INDEX_DIR
+    assert sorted(p.name for p in index.iterdir()) == [
+        "images.json", "images.safetensors", "sentences.json", "sentences.safetensors"]
+    written = {p.name: p.stat().st_mtime_ns for p in index.iterdir()}
+
+    def no_embedding(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached image was embedded again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(retrieve, "read_image", no_embedding)
+        assert run(capsys, *argv) == first
+    log = messages(caplog)
+    assert f"all {NUM_VAL} images cached, up to date" in log
+    assert f"all {len(world.captions)} sentences cached, up to date" in log
+    assert {p.name: p.stat().st_mtime_ns for p in index.iterdir()} == written
+
+    # A changed file: only it is embedded again, and it now scores like the image it copies.
+    changed = images / world.names[1]
+    shutil.copyfile(images / world.names[0], changed)
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    embedded = []
+    original = retrieve.read_image
+    monkeypatch.setattr(retrieve, "read_image",
+                        lambda path, recipe: embedded.append(path.name) or original(path, recipe))
+    scores = {r["image"]: r["score"] for r in run(capsys, *argv)["queries"][0]["results"]}
+    assert embedded == [world.names[1]]
+    assert f"{NUM_VAL - 1} images cached, 0 new, 1 changed ['{world.names[1]}'], 0 removed" in (
+        messages(caplog))
+    assert scores[world.names[1]] == pytest.approx(scores[world.names[0]], abs=1e-6)
+
+    # A removed file leaves the index; a changed sentences file and another model rebuild.
+    (images / world.names[2]).unlink()
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text(world.sentences.read_text() + "A tiny black star.\n")
+    other = world.save_model(tmp_path / "other", seed=1)
+    report = run(capsys, "--model", other, "--images", images, "--sentences", sentences,
+                 "--index-dir", index, "--query", query)
+    log = messages(caplog)
+    assert "built with another model: rebuilding" in log
+    assert "the model, parser or sentences file changed: rebuilding" in log
+    assert (report["images"], report["sentences"]) == (NUM_VAL - 1, len(world.captions) + 1)
+    assert embedded[1:] == [n for n in world.names if n != world.names[2]]
+
+
+def test_damaged_cache_is_rebuilt(world: World, images: Path,
+                                  capsys: pytest.CaptureFixture[str],
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    argv = ["--model", world.model_dir, "--images", images, "--query", world.captions[0]]
+    first = run(capsys, *argv)
+    (images / retrieve.INDEX_DIR / "images.safetensors").write_bytes(b"garbage")
+    messages(caplog)
+    assert run(capsys, *argv) == first
+    assert "is unreadable" in messages(caplog)
+
+
+# ---------------------------------------------------------------- explain
+
+
+def test_explain_draws_each_fragment_with_its_best_box(world: World, images: Path,
+                                                       tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    query = world.captions[3]
+    out = tmp_path / "explain.png"
+    report = run(capsys, "--model", world.model_dir, "--images", images, "--query", query,
+                 "--explain", out)
+    explained = report["explain"]
+    top = report["queries"][0]["results"][0]["image"]
+    assert explained["image"] == str(images / top) and explained["sentence"] == query
+    assert explained["picture"] == str(out)
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.width > 400
+
+    model, cfg, vocab = load_model_folder(world.model_dir)
+    caption = make_parser("spacy").parse([query])[0].caption(query)
+    fragments = vocab.encode(caption, cfg.model.fragment_mode)
+    labels = fragment_labels(fragments, vocab, cfg.model.fragment_mode)
+    image, boxes = retrieve.read_image(images / top, retrieve.make_recipe(
+        world.model_dir, "fullframe", None, "spacy"))
+    with torch.no_grad():
+        v = model.image(torch.tensor(image.pixels).permute(2, 0, 1)[None].float() / 255,
+                        torch.from_numpy(image.boxes), torch.zeros(1, dtype=torch.long))
+        _, score = best_boxes(v, model.sentence(fragments))
+    assert [f["fragment"] for f in explained["fragments"]] == labels
+    assert [f["score"] for f in explained["fragments"]] == pytest.approx(score.tolist(),
+                                                                        abs=1e-5)
+    assert {tuple(f["xyxy"]) for f in explained["fragments"]} == {tuple(boxes[0].tolist())}
+
+    retrieve.main(["--model", str(world.model_dir), "--images", str(images), "--query", query,
+                   "--explain", str(out)])
+    table = capsys.readouterr().out
+    assert f"explain {query!r} on {images / top}" in table
+    assert all(label in table for label in labels)
+
+
+def test_selective_search_boxes_and_an_image_query(world: World, images: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The real box source (selective search scored by the packaged ImageNet CNN)."""
+    for name in world.names[2:]:
+        (images / name).unlink()
+    out = tmp_path / "explain.png"
+    report = run(capsys, "--model", world.model_dir, "--images", images, "--sentences",
+                 world.sentences, "--query-image", images / world.names[0], "--boxes",
+                 "selective_search", "--explain", out, "--top-k", "2")
+    query = report["queries"][0]
+    assert query["kind"] == "image" and query["boxes"] > 1
+    assert report["explain"]["sentence"] == query["results"][0]["sentence"]
+    assert report["explain"]["image"] == str(images / world.names[0])
+    meta = json.loads((images / retrieve.INDEX_DIR / "images.json").read_text())
+    assert meta["boxes"]["name"] == "selective_search"
+    assert out.is_file()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_are_clear(world: World, images: Path, tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str],
+                          caplog: pytest.LogCaptureFixture) -> None:
+    model = ["--model", str(world.model_dir)]
+    with pytest.raises(SystemExit, match="nowhere: no such model folder"):
+        retrieve.main(["--model", str(tmp_path / "nowhere"), "--images", str(images)])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"empty: no \.jpg, \.jpeg, \.png image in it"):
+        retrieve.main([*model, "--images", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match="--query ranks images: also pass --images"):
+        retrieve.main([*model, "--sentences", str(world.sentences), "--query", "a dog"])
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    with pytest.raises(SystemExit, match="unusable image: .*broken.png is not an image file"):
+        retrieve.main([*model, "--sentences", str(world.sentences), "--query-image",
+                       str(tmp_path / "broken.png")])
+
+    # An unreadable file in the folder is skipped with its name, also when cached; a sentence
+    # with no known word scores 0 with everything.
+    (images / "broken.png").write_bytes(b"not a picture")
+    argv = [*model, "--images", images, "--query", "zebras quietly yawning", "--query",
+            world.captions[0]]
+    for _ in range(2):
+        report = run(capsys, *argv)
+        log = messages(caplog)
+        assert "skipped an unusable image" in log and "broken.png is not an image file" in log
+        assert report["images"] == NUM_VAL
+    assert "'zebras quietly yawning' has no fragment the model knows" in log
+    unknown = report["queries"][0]
+    assert unknown["fragments"] == 0 and {r["score"] for r in unknown["results"]} == {0.0}
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "broken.png").write_bytes(b"not a picture")
+    with pytest.raises(SystemExit, match="none of its 1 images is usable"):
+        retrieve.main([*model, "--images", str(tmp_path / "only")])
