@@ -27,6 +27,7 @@ from trainer.data import (
     load_eval_set,
     make_train_loader,
     read_split,
+    split_image_ids,
 )
 from trainer.evaluate import retrieval_metrics, score_matrix
 from trainer.vocab import Vocabulary
@@ -307,3 +308,19 @@ def test_ranks_of_a_process_group_split_the_shards(shards: Path, metadata: dict[
     assert [r["steps"] for r in results] == [10, 10]
     seen = Counter(tuple(pair) for r in results for pair in r["pairs"])
     assert seen == split_pairs(metadata, "train")
+
+
+def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabulary,
+                                                   metadata: dict[str, dict]) -> None:
+    """pixels=False: the same batches (pairs, boxes, fragments), 1x1 placeholder images."""
+    cfg = make_config(shards, {"max_boxes": 3})
+    decoded = list(make_train_loader(cfg, vocab, batch_size=12)[0])
+    skipped = list(make_train_loader(cfg, vocab, batch_size=12, pixels=False)[0])
+    assert len(decoded) == len(skipped)
+    for full, bare in zip(decoded, skipped, strict=True):
+        assert batch_pairs(full) == batch_pairs(bare)
+        assert bare.images.shape == (len(bare.image_ids), 3, 1, 1)
+        for name in ("boxes", "box_image", "fragments", "fragment_pair", "image_key"):
+            assert torch.equal(getattr(full, name), getattr(bare, name)), name
+    ids = split_image_ids(cfg, "train")
+    assert sorted(ids) == sorted(m["image_id"] for m in metadata.values() if m["split"] == "train")

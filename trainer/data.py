@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"  # written by featurizer.pipeline beside the split folders
 CHUNK_IMAGES = 8  # decoded images a loader process hands over at a time
+PLACEHOLDER_PIXELS = np.zeros((1, 1, 3), np.uint8)  # an image left undecoded (pixels=False)
 PREFETCH_CHUNKS = 4  # chunks each loader process decodes ahead (a batch of 100 pairs needs ~20)
 
 
@@ -179,6 +180,7 @@ class SampleDecoder:
     image_size: int
     max_boxes: int  # boxes kept per image, the whole image (row 0) included
     fragment_mode: str
+    pixels: bool = True  # False: no image decoding (a 1x1 placeholder), for cached features
 
     @classmethod
     def from_config(cls, cfg: Config, vocab: Vocabulary) -> SampleDecoder:
@@ -198,12 +200,16 @@ class SampleDecoder:
         if data is None:
             raise BadSample(f"no jpg or png entry (entries: "
                             f"{sorted(k for k in sample if not k.startswith('__'))})")
-        try:
-            pixels, (width, height) = decode_image(data, self.image_size)
-        except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ... on bad bytes
-            raise BadSample(f"cannot decode the image ({type(err).__name__}: {err})") from None
+        pixels, size = PLACEHOLDER_PIXELS, None
+        if self.pixels:
+            try:
+                pixels, size = decode_image(data, self.image_size)
+            except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
+                raise BadSample(f"cannot decode the image ({type(err).__name__}: "
+                                f"{err})") from None
         try:
             meta = json.loads(sample["json"])
+            width, height = size or (meta["width"], meta["height"])
             image_id = str(meta["image_id"])
             boxes = np.asarray(meta["boxes"][:self.max_boxes], dtype=np.float32).reshape(-1, 4)
             captions = [c["text"] for c in meta["captions"]]
@@ -365,7 +371,7 @@ class TrainLoader:
 
     def __init__(self, cfg: Config, vocab: Vocabulary, batch_size: int | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, pixels: bool = True) -> None:
         data = cfg.data
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         if batch_size is None:
@@ -376,7 +382,7 @@ class TrainLoader:
                              f"(got {data.workers}) and data.shuffle_buffer >= 0 "
                              f"(got {data.shuffle_buffer})")
         self.split = read_split(data.shards, data.train_split)
-        self.decoder = SampleDecoder.from_config(cfg, vocab)
+        self.decoder = dataclasses.replace(SampleDecoder.from_config(cfg, vocab), pixels=pixels)
         self.workers, self.shuffle_buffer, self.resampled = (data.workers, data.shuffle_buffer,
                                                              data.resampled)
         self.seed = cfg.seed if data.seed is None else data.seed
@@ -450,14 +456,22 @@ class TrainLoader:
 
 def make_train_loader(cfg: Config, vocab: Vocabulary, rank: int | None = None,
                       world_size: int | None = None, epoch: int = 0,
-                      batch_size: int | None = None) -> tuple[TrainLoader, int]:
+                      batch_size: int | None = None,
+                      pixels: bool = True) -> tuple[TrainLoader, int]:
     """The loader of epoch `epoch` on this rank and its steps per epoch (the same on every rank).
 
     `batch_size` is pairs per rank (default optim.batch_size // world_size); `rank` and
-    `world_size` default to the process group's (see `_rank_and_world_size`).
+    `world_size` default to the process group's (see `_rank_and_world_size`). `pixels=False`
+    skips image decoding (batches carry 1x1 placeholders) when every box's features are cached.
     """
-    loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch)
+    loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch, pixels)
     return loader, loader.steps_per_epoch
+
+
+def split_image_ids(cfg: Config, split: str) -> list[str]:
+    """The image id of every sample of a split, from the shards' JSON (no image decoding)."""
+    return [str(json.loads(sample["json"])["image_id"])
+            for sample in _read_shards(read_split(cfg.data.shards, split).urls)]
 
 
 def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -58,6 +58,10 @@ class FeatureCache:
                box_image: torch.Tensor, image_ids: list[str]) -> torch.Tensor:
         """Features [len(boxes), feature_dim] of the boxes of `images`, on the boxes' device."""
         missing = [i for i, key in enumerate(image_ids) if key not in self.features]
+        if missing and images.shape[-1] <= 1:
+            raise RuntimeError(f"feature cache: no features for image {image_ids[missing[0]]} "
+                               f"and its pixels were not decoded (the loader was told every "
+                               f"training image's features were cached)")
         if missing:  # the CNN runs on the missing images only
             new_row = torch.full((len(image_ids),), -1, dtype=torch.long, device=box_image.device)
             new_row[missing] = torch.arange(len(missing), device=box_image.device)

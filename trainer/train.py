@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.data import Batch, load_eval_set, make_train_loader, unit_float
+from trainer.data import Batch, load_eval_set, make_train_loader, split_image_ids, unit_float
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate_model
@@ -78,6 +78,7 @@ class Trainer:
                                   cfg.objective.use_fragment, cfg.objective.use_global)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
+        self.train_image_ids: set[str] | None = None  # listed on first need
         self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
         self.engine = None
         self.engine_finetunes: bool | None = None
@@ -113,7 +114,8 @@ class Trainer:
         self.engine.set_lr(lr)
         self.model.train()
         loader, steps = make_train_loader(self.cfg, self.vocab, self.ctx.rank,
-                                          self.ctx.world_size, epoch, self.per_rank_batch)
+                                          self.ctx.world_size, epoch, self.per_rank_batch,
+                                          pixels=not self.features_cover_training_set(epoch))
         bar = tqdm(total=steps, initial=self.state.step_in_epoch, desc=f"epoch {epoch}",
                    disable=not self.ctx.is_main, dynamic_ncols=True)
         started, pairs_seen = time.perf_counter(), 0
@@ -140,6 +142,15 @@ class Trainer:
             if every and self.state.global_step % every == 0 and self.state.step_in_epoch < steps:
                 self.checkpoint()
         bar.close()
+
+    def features_cover_training_set(self, epoch: int) -> bool:
+        """Whether this frozen-CNN epoch can skip decoding images: this rank's cache holds the
+        features of every training image (from a previous epoch, or the disk cache)."""
+        if self.cache is None or finetunes_cnn(epoch, self.cfg):
+            return False
+        if self.train_image_ids is None:
+            self.train_image_ids = set(split_image_ids(self.cfg, self.cfg.data.train_split))
+        return self.train_image_ids.issubset(self.cache.features)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
         """One SGD step on the global batch; returns the global loss terms."""
