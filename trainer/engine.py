@@ -44,7 +44,9 @@ class DDPEngine:
         self.wrapped: nn.Module = model
         if world_size > 1:
             device_ids = [device] if device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(model, device_ids=device_ids)
+            # Gradients live in DDP's all-reduce buckets: no copy in and out of them per step.
+            self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
+                                                   gradient_as_bucket_view=True)
 
     def __call__(self, *args, **kwargs):
         return self.wrapped(*args, **kwargs)
