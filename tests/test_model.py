@@ -333,8 +333,8 @@ def test_defrag_model_from_config_end_to_end(tmp_path: Path) -> None:
 
 
 def test_mean_pool_is_the_devise_style_baseline(lite0) -> None:
-    """model.mean_pool: v = W_m mean(CNN(I_b)) + b_m per image; s = ReLU(W [e; e] + b) of the
-    mean word vector e per sentence (BoW fragments), each repeated for its fragments."""
+    """model.mean_pool: v = W_m mean(CNN(I_b)) + b_m per image; s = W [e; e] + b (linear) of
+    the mean word vector e per sentence (BoW fragments), each repeated for its fragments."""
     torch.manual_seed(0)
     words = torch.randn(6, 4)
     sentence = SentenceEncoder(words, 1, 8, mean_pool=True)
@@ -343,7 +343,7 @@ def test_mean_pool_is_the_devise_style_baseline(lite0) -> None:
     s = sentence(fragments, owner)
     for row in range(len(fragments)):
         mean = words[fragments[owner == owner[row], 1]].mean(0)
-        expected = torch.relu(sentence.weight[0] @ torch.cat([mean, mean]) + sentence.bias[0])
+        expected = sentence.weight[0] @ torch.cat([mean, mean]) + sentence.bias[0]
         torch.testing.assert_close(s[row], expected)
     with pytest.raises(ValueError, match="sentence"):
         sentence(fragments)

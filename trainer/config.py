@@ -37,8 +37,8 @@ class ModelConfig:
     freeze_batchnorm: bool = True  # keep BN statistics and affine params fixed (tiny batches)
     fullframe_only: bool = False  # ablation: only the whole-image box
     # DeViSE-style baseline: an image is the mean of its region embeddings and a sentence the
-    # mean of its word vectors (fragment_mode bow) through one W_R; use objective.smooth = 0
-    # and the global objective alone, so an image-sentence score is max(0, mean v . mean s).
+    # linear map (one W_R, no ReLU) of the mean of its word vectors (fragment_mode bow); use
+    # objective.smooth = 0 and the global objective alone: a score is max(0, mean v . mean s).
     mean_pool: bool = False
 
 
