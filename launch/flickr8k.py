@@ -68,7 +68,7 @@ ROWS = {
     "bigram": Row("† → sentences: bigrams", ["model.fragment_mode=bigram", *NO_MIL],
                   paper=(8.7, 28.5, 41.0, 16, 8.5, 25.2, 37.0, 20)),
     "full": Row("Our model († + MIL)", paper=(12.6, 32.9, 44.0, 14, 9.7, 29.6, 42.5, 15)),
-    "fullframe_mil": Row("† + MIL, images: fullframe only (the best dev rsum)",
+    "fullframe_mil": Row("† + MIL, images: fullframe only (one region: MIL labels = C_0's)",
                          ["model.fullframe_only=true"]),
     "long": Row("† + MIL, 10 epochs (6 phase 1 + 4 MIL, the last 2 annealed)",
                 ["optim.epochs=10", "optim.frozen_cnn_epochs=6", "optim.anneal_last_epochs=2"]),
