@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,16 @@ def test_a_box_count_mismatch_is_an_error() -> None:
     cache.lookup(model, images, boxes, box_image, ids)
     with pytest.raises(ValueError, match="image x has 1 boxes but 2 cached"):
         cache.lookup(model, images[:1], boxes[:1], torch.tensor([0]), ["x"])
+
+
+def test_stamp_follows_the_shards_content_not_their_path(shards: Path, tmp_path: Path) -> None:
+    def stamp(folder: Path) -> dict:
+        return feature_stamp(Config.from_dict({"data": {"shards": str(folder)}}))
+
+    moved = tmp_path / "moved"
+    shutil.copytree(shards, moved)
+    assert stamp(moved) == stamp(shards)  # a moved or copied folder keeps its cache
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["sha256"] = "0" * 64  # re-featurized shard
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert stamp(moved)["shards"] != stamp(shards)["shards"]

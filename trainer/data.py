@@ -330,8 +330,8 @@ class _Chunk:
     """What a loader process hands over: a few images and the samples it skipped meanwhile.
 
     Their pixels travel as one tensor, which DataLoader passes through shared memory (one copy)
-    where pickled arrays would go through a pipe (four copies and many system calls: measured
-    ~0.6 ms per 224 px image, as much as decoding it).
+    where pickled arrays go through a pipe (four copies and many system calls; measured ~0.15 ms
+    less per 224 px image in benchmarks/bench_data.py).
     """
 
     images: list[CaptionedImage]  # pixels left out (EMPTY_PIXELS) until `unpack`

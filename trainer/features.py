@@ -22,20 +22,32 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainer.config import Config
+from trainer.data import MANIFEST
 from trainer.model import DeFragModel
 
 log = logging.getLogger(__name__)
 
 
+def shards_fingerprint(cfg: Config) -> str | None:
+    """The content of the train and val shards (their sha256 in the manifest), not their path:
+    re-featurized shards (other boxes) get new features, a moved folder keeps its cache."""
+    if not cfg.data.shards:
+        return None
+    manifest = json.loads((Path(cfg.data.shards) / MANIFEST).read_text())
+    digests = sorted(shard["sha256"] for split in (cfg.data.train_split, cfg.data.val_split)
+                     for shard in manifest["splits"].get(split, {}).get("shards", []))
+    return hashlib.sha256(" ".join(digests).encode()).hexdigest()
+
+
 def feature_stamp(cfg: Config) -> dict[str, Any]:
-    """Everything the cached features depend on: the CNN, its input and the boxes' source."""
+    """Everything the cached features depend on: the CNN, its input and the shards' boxes."""
     model = cfg.model
-    shards = str(Path(cfg.data.shards).resolve()) if cfg.data.shards else None
     return {"backbone": model.backbone, "pretrained": model.pretrained,
             "backbone_weights": model.backbone_weights, "image_size": model.image_size,
             "region_mode": model.region_mode, "crop_size": model.crop_size,
             "roi_output_size": model.roi_output_size,
-            "max_boxes": 1 if model.fullframe_only else cfg.data.max_boxes, "shards": shards}
+            "max_boxes": 1 if model.fullframe_only else cfg.data.max_boxes,
+            "shards": shards_fingerprint(cfg)}
 
 
 class FeatureCache:
