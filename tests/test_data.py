@@ -255,6 +255,34 @@ def test_an_undecodable_image_is_skipped_with_a_warning(
     assert eval_set.num_images == 5 and len(eval_set.skipped) == 5
 
 
+def test_bad_metadata_is_skipped_when_the_loader_is_made(
+        shards: Path, vocab: Vocabulary, tmp_path: Path) -> None:
+    """Metadata without boxes, or giving another image size than the image's, is named and
+    left out (the size before any image is decoded: the boxes would be scaled wrongly)."""
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy, ignore=shutil.ignore_patterns("source"))
+    no_boxes, wrong_size = "images_train_00001", "images_train_00003"
+
+    def damage(sample: dict) -> dict:
+        meta = json.loads(sample["json"])
+        if sample["__key__"] == no_boxes:
+            del meta["boxes"]
+        if sample["__key__"] == wrong_size:
+            meta["width"] += 10
+        return {**sample, "json": json.dumps(meta).encode()}
+
+    shard = copy / "train/shard-000000.tar"
+    rewrite_shard(shard, damage)
+    loader, steps = make_train_loader(make_config(copy), vocab, batch_size=10)
+    metadata_error = f"{shard} sample {no_boxes!r}: unusable metadata (KeyError: 'boxes')"
+    assert loader.skipped == {metadata_error}
+    seen = Counter(pair for batch in loader for pair in batch_pairs(batch))
+    assert seen.total() == steps * 10
+    assert {image_id for image_id, _ in seen}.isdisjoint({no_boxes, wrong_size})
+    (size_error,) = loader.skipped - {metadata_error}
+    assert wrong_size in size_error and "its metadata (and boxes) say 138 x 128" in size_error
+
+
 def test_damaged_or_missing_shards_are_named(shards: Path, vocab: Vocabulary,
                                              tmp_path: Path) -> None:
     copy = tmp_path / "shards"
@@ -262,9 +290,8 @@ def test_damaged_or_missing_shards_are_named(shards: Path, vocab: Vocabulary,
     damaged = copy / "train/shard-000003.tar"
     damaged.write_bytes(damaged.read_bytes()[:5000])
     cfg = make_config(copy)
-    loader, _ = make_train_loader(cfg, vocab, batch_size=10)
     with pytest.raises(ShardError, match=f"cannot read shard {damaged}.*re-run the featurizer"):
-        list(loader)
+        make_train_loader(cfg, vocab, batch_size=10)  # before any training step
     (copy / "val/shard-000001.tar").unlink()
     with pytest.raises(ShardError, match="1 of the 2 shards of split 'val' are missing"):
         load_eval_set(cfg, vocab)

@@ -1,12 +1,15 @@
 """Training and evaluation data: the featurizer's WebDataset shards -> batches of (image, caption)
 pairs (DESIGN.md sections 4 and 6; the shard format is in featurizer/__init__.py).
 
-A shard sample is one image with all its captions. Loader processes read shards and decode each
-image ONCE, resized to model.image_size x model.image_size (aspect ratio not kept, boxes scaled
-alike), its captions encoded by `Vocabulary.encode` in model.fragment_mode: a `CaptionedImage`.
-The training process expands each image into one `Pair` per caption, shuffles the pairs in a
-buffer and collates `batch_size` of them into a `Batch`: the distinct images of the batch once,
-and the variable numbers of boxes and sentence fragments as flat tensors with owner indices.
+A shard sample is one image with all its captions: a `CaptionedImage` once its image is decoded
+ONCE, resized to model.image_size x model.image_size (aspect ratio not kept, boxes scaled
+alike), and its captions encoded by `Vocabulary.encode` in model.fragment_mode. The training
+process reads each shard's metadata once (`index_shard`: tar headers, JSON, caption encoding);
+every epoch its loader processes then only seek to, read and decode the images, and hand over
+their pixels in shared memory with a few integers that name the samples. The training process
+expands each image into one `Pair` per caption, shuffles the pairs in a buffer and collates
+`batch_size` of them into a `Batch`: the distinct images of the batch once, and the variable
+numbers of boxes and sentence fragments as flat tensors with owner indices.
 Images stay uint8 until `Batch.to(device)` makes them float in [0, 1] on the device: the pair
 shuffle puts an image in several batches, and converting it for each on the CPU can cost more
 than decoding it.
@@ -42,6 +45,9 @@ import json
 import logging
 import os
 import random
+import tarfile
+import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +58,8 @@ import torch.distributed as dist
 import webdataset as wds
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from webdataset.tariterators import base_plus_ext
 
 from featurizer.shards import FORMAT_VERSION
 from trainer.config import Config
@@ -63,7 +70,6 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"  # written by featurizer.pipeline beside the split folders
 CHUNK_IMAGES = 8  # decoded images a loader process hands over at a time
 PLACEHOLDER_PIXELS = np.zeros((1, 1, 3), np.uint8)  # an image left undecoded (pixels=False)
-EMPTY_PIXELS = np.zeros((0, 0, 3), np.uint8)  # pixels moved elsewhere (see _Chunk)
 PREFETCH_CHUNKS = 4  # chunks each loader process decodes ahead (a batch of 100 pairs needs ~20)
 
 
@@ -148,11 +154,7 @@ def image_key(image_id: str) -> int:
 
 @dataclass
 class CaptionedImage:
-    """One decoded shard sample: the resized image, its boxes and all its encoded captions.
-
-    Arrays are numpy (small ones pickle cheaply); a loader process hands the pixels of a few
-    images over as one shared-memory tensor (see _Chunk).
-    """
+    """One shard sample: the resized image (once decoded), its boxes and its encoded captions."""
 
     image_id: str
     image_key: int
@@ -160,6 +162,7 @@ class CaptionedImage:
     boxes: np.ndarray  # float32 [n_box, 4] xyxy in resized pixels; row 0 = the whole image
     captions: list[str]
     fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
+    size: tuple[int, int]  # (width, height) of the original image, which the boxes were in
 
     def pairs(self) -> list[Pair]:
         return [Pair(self, index) for index in range(len(self.captions))]
@@ -201,16 +204,14 @@ class SampleDecoder:
         if data is None:
             raise BadSample(f"no jpg or png entry (entries: "
                             f"{sorted(k for k in sample if not k.startswith('__'))})")
-        pixels, size = PLACEHOLDER_PIXELS, None
-        if self.pixels:
-            try:
-                pixels, size = decode_image(data, self.image_size)
-            except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
-                raise BadSample(f"cannot decode the image ({type(err).__name__}: "
-                                f"{err})") from None
+        return self.with_pixels(self.describe(sample["json"]), data)
+
+    def describe(self, meta_json: bytes | str) -> CaptionedImage:
+        """A sample's metadata as a CaptionedImage whose pixels are not decoded yet: boxes kept
+        and scaled to the decoded size, captions encoded; BadSample if it cannot be used."""
         try:
-            meta = json.loads(sample["json"])
-            width, height = size or (meta["width"], meta["height"])
+            meta = json.loads(meta_json)
+            width, height = int(meta["width"]), int(meta["height"])
             image_id = str(meta["image_id"])
             boxes = np.asarray(meta["boxes"][:self.max_boxes], dtype=np.float32).reshape(-1, 4)
             captions = [c["text"] for c in meta["captions"]]
@@ -220,9 +221,26 @@ class SampleDecoder:
             raise BadSample(f"unusable metadata ({type(err).__name__}: {err})") from None
         if len(boxes) == 0:
             raise BadSample("no boxes (row 0 should be the whole image)")
+        if width < 1 or height < 1:
+            raise BadSample(f"metadata gives the image size {width} x {height}")
         scale = np.array([self.image_size / width, self.image_size / height] * 2, np.float32)
-        return CaptionedImage(image_id, image_key(image_id), pixels,
-                              np.clip(boxes * scale, 0, self.image_size), captions, fragments)
+        return CaptionedImage(image_id, image_key(image_id), PLACEHOLDER_PIXELS,
+                              np.clip(boxes * scale, 0, self.image_size), captions, fragments,
+                              (width, height))
+
+    def with_pixels(self, image: CaptionedImage, data: bytes) -> CaptionedImage:
+        """`image` with its pixels decoded from `data` (unless this decoder skips pixels);
+        BadSample if the bytes do not decode to an image of the size its metadata gives."""
+        if not self.pixels:
+            return image
+        try:
+            pixels, size = decode_image(data, self.image_size)
+        except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
+            raise BadSample(f"cannot decode the image ({type(err).__name__}: {err})") from None
+        if size != image.size:
+            raise BadSample(f"the image is {size[0]} x {size[1]} pixels, its metadata (and "
+                            f"boxes) say {image.size[0]} x {image.size[1]}")
+        return dataclasses.replace(image, pixels=pixels)
 
 
 def _read_shards(urls: Iterable[str]) -> Iterator[dict]:
@@ -326,28 +344,93 @@ def _owners(counts: list[int]) -> Tensor:
 
 
 @dataclass
+class IndexedSample:
+    """One usable shard sample as an epoch needs it: its metadata, decoded once, and where its
+    image bytes lie in the shard file."""
+
+    key: str  # the WebDataset key
+    image: CaptionedImage  # pixels not decoded (PLACEHOLDER_PIXELS)
+    offset: int  # of the image bytes in the tar file
+    size: int
+
+
+@dataclass
+class ShardIndex:
+    """One shard read once, when a TrainLoader is made (tar headers and JSON entries, not the
+    image bytes: ~0.25 ms per sample): every epoch's loader processes then only seek, read and
+    decode the images. A rank holds the metadata of the whole split (~1 KB per image)."""
+
+    url: str
+    samples: list[IndexedSample]
+    skipped: list[str]  # unusable samples, "shard sample 'key': reason"
+
+
+def index_shard(url: str, decoder: SampleDecoder) -> ShardIndex:
+    """The ShardIndex of one shard; ShardError when the file is missing, damaged or truncated."""
+    index = ShardIndex(url, [], [])
+    try:
+        file_size = os.path.getsize(url)
+        with tarfile.open(url) as tar:
+            entries: dict[str, dict[str, tarfile.TarInfo]] = {}
+            for member in tar:  # headers only: random-access mode seeks past the data
+                key, extension = base_plus_ext(member.name)
+                if member.isreg() and key is not None:
+                    entries.setdefault(key, {})[extension] = member
+                if member.offset_data + member.size > file_size:
+                    raise tarfile.ReadError(f"{member.name} runs past the end of the file")
+            for key, sample in entries.items():
+                try:
+                    index.samples.append(_indexed_sample(tar, key, sample, decoder))
+                except BadSample as err:
+                    index.skipped.append(f"{url} sample {key!r}: {err}")
+                    log.warning("skipped %s", index.skipped[-1])
+    except (tarfile.TarError, OSError) as err:
+        raise ShardError(f"cannot read shard {url} ({type(err).__name__}: {err}): it is damaged "
+                         f"or missing; re-run the featurizer command of its manifest with the "
+                         f"same --out, which rewrites shards that no longer match their "
+                         f"checksum") from err
+    return index
+
+
+def _indexed_sample(tar: tarfile.TarFile, key: str, entries: dict[str, tarfile.TarInfo],
+                    decoder: SampleDecoder) -> IndexedSample:
+    image = entries.get("jpg", entries.get("png"))
+    if image is None or "json" not in entries:
+        raise BadSample(f"needs a json and a jpg or png entry (entries: {sorted(entries)})")
+    meta = tar.extractfile(entries["json"]).read()
+    return IndexedSample(key, decoder.describe(meta), image.offset_data, image.size)
+
+
+def _image_bytes(shard: ShardIndex) -> Iterator[bytes]:
+    """The image bytes of each sample of an indexed shard, in order."""
+    try:
+        with open(shard.url, "rb") as file:
+            for sample in shard.samples:
+                file.seek(sample.offset)
+                yield file.read(sample.size)
+    except OSError as err:
+        raise ShardError(f"cannot read shard {shard.url} ({err}) although it was indexed at the "
+                         f"epoch's start: was it rewritten or removed meanwhile?") from err
+
+
+@dataclass
 class _Chunk:
-    """What a loader process hands over: a few images and the samples it skipped meanwhile.
+    """What a loader process hands over: which samples it decoded, their pixels as one tensor
+    (stacked straight into shared memory by default_collate: the training process maps it, no
+    copy), and the samples it skipped meanwhile. Only a few integers are pickled."""
 
-    Their pixels travel as one tensor, which DataLoader passes through shared memory (one copy)
-    where pickled arrays go through a pipe (four copies and many system calls; measured ~0.15 ms
-    less per 224 px image in benchmarks/bench_data.py).
-    """
-
-    images: list[CaptionedImage]  # pixels left out (EMPTY_PIXELS) until `unpack`
+    rows: list[tuple[int, int]]  # (shard number in the stream's list, sample number in it)
     pixels: Tensor  # uint8 [n, S, S, 3]
     skipped: list[str]
 
     @classmethod
-    def pack(cls, images: list[CaptionedImage], skipped: list[str]) -> _Chunk:
-        pixels = torch.from_numpy(np.stack([image.pixels for image in images])) if images \
-            else torch.zeros(0, 1, 1, 3, dtype=torch.uint8)
-        return cls([dataclasses.replace(image, pixels=EMPTY_PIXELS) for image in images],
-                   pixels, skipped)
-
-    def unpack(self) -> list[CaptionedImage]:
-        return [dataclasses.replace(image, pixels=pixels)
-                for image, pixels in zip(self.images, self.pixels.numpy(), strict=True)]
+    def pack(cls, rows: list[tuple[int, int]], pixels: list[np.ndarray],
+             skipped: list[str]) -> _Chunk:
+        if not pixels:
+            return cls(rows, torch.zeros(0, 1, 1, 3, dtype=torch.uint8), skipped)
+        with warnings.catch_warnings():  # PIL's arrays are read-only; they are only read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return cls(rows, default_collate([torch.from_numpy(p) for p in pixels]), skipped)
 
 
 def _as_is(chunk: _Chunk) -> _Chunk:
@@ -358,7 +441,7 @@ class _ImageStream(IterableDataset):
     """The decoded images of one rank's loader processes: each reads its share of `shards` in
     a seeded order (exact), or draws shards with replacement, endlessly (resampled)."""
 
-    def __init__(self, shards: list[str], decoder: SampleDecoder, seed: str,
+    def __init__(self, shards: list[ShardIndex], decoder: SampleDecoder, seed: str,
                  resampled: bool) -> None:
         super().__init__()
         self.shards, self.decoder, self.seed, self.resampled = shards, decoder, seed, resampled
@@ -368,19 +451,30 @@ class _ImageStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rng = random.Random(f"{self.seed}:{worker}")
         if self.resampled:
-            urls: Iterable[str] = (rng.choice(self.shards) for _ in itertools.count())
+            order: Iterable[int] = (rng.randrange(len(self.shards)) for _ in itertools.count())
         else:
-            urls = self.shards[worker::workers]
-            rng.shuffle(urls)
+            order = list(range(len(self.shards)))[worker::workers]
+            rng.shuffle(order)
+        rows: list[tuple[int, int]] = []
+        pixels: list[np.ndarray] = []
         skipped: list[str] = []
-        chunk: list[CaptionedImage] = []
-        for image in _decode(_read_shards(urls), self.decoder, skipped):
-            chunk.append(image)
-            if len(chunk) == CHUNK_IMAGES:
-                yield _Chunk.pack(chunk, skipped.copy())
-                chunk = []
-                skipped.clear()
-        yield _Chunk.pack(chunk, skipped)
+        for number in order:
+            shard = self.shards[number]
+            data = (_image_bytes(shard) if self.decoder.pixels
+                    else itertools.repeat(b"", len(shard.samples)))
+            for row, (sample, image_bytes) in enumerate(zip(shard.samples, data, strict=True)):
+                try:
+                    pixels.append(self.decoder.with_pixels(sample.image, image_bytes).pixels)
+                except BadSample as err:
+                    skipped.append(f"{shard.url} sample {sample.key!r}: {err}")
+                    log.warning("skipped %s (%d skipped by this process)", skipped[-1],
+                                len(skipped))
+                    continue
+                rows.append((number, row))
+                if len(rows) == CHUNK_IMAGES:
+                    yield _Chunk.pack(rows, pixels, skipped)
+                    rows, pixels, skipped = [], [], []
+        yield _Chunk.pack(rows, pixels, skipped)
 
 
 class TrainLoader:
@@ -421,10 +515,19 @@ class TrainLoader:
         if self.steps_per_epoch < 1:
             raise ValueError(f"an epoch of {epoch_pairs} pairs is less than one global batch "
                              f"of {self.batch_size} x {self.world_size} ranks")
+        started = time.perf_counter()
+        self.indexes = {url: index_shard(url, self.decoder) for url in self.split.urls}
+        for index in self.indexes.values():
+            self.skipped.update(index.skipped)
+        log.info("read the metadata of the %d shards of split %r in %.1f s", len(self.indexes),
+                 self.split.name, time.perf_counter() - started)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch `epoch` next: its shard deal and shuffles."""
+    def set_epoch(self, epoch: int, pixels: bool | None = None) -> None:
+        """Iterate epoch `epoch` next: its shard deal and shuffles; `pixels` as in
+        make_train_loader (unchanged when None)."""
         self.epoch = epoch
+        if pixels is not None:
+            self.decoder = dataclasses.replace(self.decoder, pixels=pixels)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -455,13 +558,15 @@ class TrainLoader:
 
     def _pass(self, seed: str) -> Iterator[Pair]:
         """The pairs of one pass of this rank's loader processes, in the order they arrive."""
-        stream = _ImageStream(self._shards(), self.decoder, seed, self.resampled)
+        shards = [self.indexes[url] for url in self._shards()]
+        stream = _ImageStream(shards, self.decoder, seed, self.resampled)
         for chunk in DataLoader(stream, batch_size=None, num_workers=self.workers,
                                 collate_fn=_as_is,
                                 prefetch_factor=PREFETCH_CHUNKS if self.workers else None):
             self.skipped.update(chunk.skipped)
-            for image in chunk.unpack():
-                yield from image.pairs()
+            for (number, row), pixels in zip(chunk.rows, chunk.pixels.numpy(), strict=True):
+                image = shards[number].samples[row].image
+                yield from dataclasses.replace(image, pixels=pixels).pairs()
 
     def _shards(self) -> list[str]:
         """Every shard (resampled), or this rank's share of the epoch's deal (exact)."""

@@ -213,7 +213,8 @@ def read_image(path: Path, recipe: Recipe) -> tuple[CaptionedImage, np.ndarray]:
     in the file's pixels. BadImage / BadSample name the problem."""
     loaded = load_image(path)
     boxes, _ = recipe.box_source(loaded.image)
-    meta = {"image_id": path.name, "boxes": boxes, "captions": []}
+    meta = {"image_id": path.name, "width": loaded.image.width, "height": loaded.image.height,
+            "boxes": boxes, "captions": []}
     image = recipe.decoder.decode({loaded.extension: loaded.data, "json": json.dumps(meta)})
     return image, np.asarray(boxes[:len(image.boxes)], dtype=np.float32).reshape(-1, 4)
 

@@ -79,6 +79,9 @@ class Trainer:
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
         self.train_image_ids: set[str] | None = None  # listed on first need
+        # One loader for every epoch: it reads each shard's metadata once.
+        self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
+                                                    batch_size=self.per_rank_batch)
         self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
         self.engine = None
         self.engine_finetunes: bool | None = None
@@ -113,9 +116,8 @@ class Trainer:
         lr = learning_rate(epoch, self.cfg)
         self.engine.set_lr(lr)
         self.model.train()
-        loader, steps = make_train_loader(self.cfg, self.vocab, self.ctx.rank,
-                                          self.ctx.world_size, epoch, self.per_rank_batch,
-                                          pixels=not self.features_cover_training_set(epoch))
+        self.loader.set_epoch(epoch, pixels=not self.features_cover_training_set(epoch))
+        loader, steps = self.loader, self.steps
         bar = tqdm(total=steps, initial=self.state.step_in_epoch, desc=f"epoch {epoch}",
                    disable=not self.ctx.is_main, dynamic_ncols=True)
         started, pairs_seen = time.perf_counter(), 0
