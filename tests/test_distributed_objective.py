@@ -36,8 +36,9 @@ def local_batch(model, image_inputs, sentence_inputs, pairs):
 def worker(rank, world_size, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
-    for mil in (True, False):
-        check_gradients(rank, world_size, DeFragLoss(mil=mil, beta=0.5))
+    for mil, hardest_negative in ((True, False), (False, False), (True, True)):
+        check_gradients(rank, world_size,
+                        DeFragLoss(mil=mil, beta=0.5, hardest_negative=hardest_negative))
     dist.destroy_process_group()
 
 

@@ -24,7 +24,8 @@ def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smo
 
 
 def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smooth=5.0,
-                   mil=True, balance=True, use_fragment=True, use_global=True):
+                   mil=True, balance=True, use_fragment=True, use_global=True,
+                   hardest_negative=False):
     """C = C_F + beta C_G exactly as DESIGN.md section 3 states it, one scalar at a time."""
     B = len(image_key)
     F = [[v[i] @ s[j] for j in range(len(s))] for i in range(len(v))]
@@ -50,10 +51,14 @@ def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smoo
     S = reference_pair_scores(v, v_owner, s, s_owner, B, B, smooth)
     ranking = v.new_zeros(())
     for k in range(B):
-        for l in range(B):
-            if image_key[l] != image_key[k]:
-                ranking = ranking + torch.relu(S[k, l] - S[k, k] + margin)
-                ranking = ranking + torch.relu(S[l, k] - S[k, k] + margin)
+        others = [l for l in range(B) if image_key[l] != image_key[k]]
+        rank_sentences = [torch.relu(S[k, l] - S[k, k] + margin) for l in others]
+        rank_images = [torch.relu(S[l, k] - S[k, k] + margin) for l in others]
+        for hinges in (rank_sentences, rank_images):
+            if hardest_negative:  # VSE++: only the largest hinge counts
+                ranking = ranking + max(hinges, key=lambda h: h.item(), default=0 * ranking)
+            else:
+                ranking = ranking + sum(hinges, 0 * ranking)
     ranking = ranking / B
     fragment = fragment if use_fragment else fragment * 0
     ranking = ranking if use_global else ranking * 0
@@ -105,6 +110,14 @@ def test_objective_switches(use_fragment, use_global):
                                    use_fragment=use_fragment, use_global=use_global)
     assert (got["fragment"] == 0) != use_fragment
     assert (got["global"] == 0) != use_global
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_hardest_negative_matches_reference(seed):
+    got = assert_matches_reference(make_batch(**SHARED_IMAGE_BATCH, seed=seed), beta=0.7,
+                                   margin=0.5, hardest_negative=True)
+    summed = DeFragLoss(beta=0.7, margin=0.5)(*make_batch(**SHARED_IMAGE_BATCH, seed=seed))
+    assert 0 < got["global"] < summed["global"]
 
 
 def test_smoothing_and_margin_values():
@@ -173,13 +186,13 @@ def test_pair_scores_gradient_matches_reference():
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
-@pytest.mark.parametrize("mil", [True, False])
-def test_per_rank_terms_sum_to_the_global_loss(num_ranks, mil):
+@pytest.mark.parametrize("mil,hardest_negative", [(True, False), (False, False), (True, True)])
+def test_per_rank_terms_sum_to_the_global_loss(num_ranks, mil, hardest_negative):
     """The decomposition distributed training relies on: own-row losses sum to the full loss."""
     batch = make_batch(image_frags=[3, 2, 4, 1, 2, 5, 2], sentence_frags=[2, 3, 0, 4, 1, 2, 3],
                        image_key=[10, 11, 12, 11, 13, 10, 14], seed=6)
     v, v_owner, s, s_owner, image_key = batch
-    loss = DeFragLoss(mil=mil, beta=0.5)
+    loss = DeFragLoss(mil=mil, beta=0.5, hardest_negative=hardest_negative)
     full = loss(*batch)
     full_grads = torch.autograd.grad(full["loss"], (v, s))
 

@@ -53,6 +53,7 @@ class ObjectiveConfig:
     balance: bool = True  # normalise positives and negatives separately (arXiv version)
     use_fragment: bool = True
     use_global: bool = True
+    hardest_negative: bool = False  # eq. 7 with each pair's hardest negatives only (VSE++)
 
 
 @dataclass

@@ -89,11 +89,16 @@ def fragment_labels(scores: Tensor, rows: Tensor, cols: Tensor, num_cols: int,
 
 
 class DeFragLoss(nn.Module):
-    """C = C_F + beta * C_G: fragment alignment (eq. 4/5) plus global ranking (eq. 7)."""
+    """C = C_F + beta * C_G: fragment alignment (eq. 4/5) plus global ranking (eq. 7).
+
+    `hardest_negative` (not in the paper; VSE++, Faghri et al. 2018) replaces eq. 7's sums over
+    the negatives l by their maximum: each pair k is ranked against its hardest sentence and
+    its hardest image of the (global) batch.
+    """
 
     def __init__(self, beta: float = 1.0, margin: float = 1.0, smooth: float = 5.0,
                  mil: bool = True, balance: bool = True, use_fragment: bool = True,
-                 use_global: bool = True) -> None:
+                 use_global: bool = True, hardest_negative: bool = False) -> None:
         super().__init__()
         if smooth < 0:
             raise ValueError(f"smooth must be >= 0 (eq. 6's n), got {smooth}")
@@ -102,6 +107,7 @@ class DeFragLoss(nn.Module):
         self.beta, self.margin, self.smooth = beta, margin, smooth
         self.mil, self.balance = mil, balance
         self.use_fragment, self.use_global = use_fragment, use_global
+        self.hardest_negative = hardest_negative
 
     def forward(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, image_key: Tensor,
                 own_pairs: Tensor | None = None,
@@ -178,6 +184,8 @@ class DeFragLoss(nn.Module):
         own = own_pairs.nonzero().squeeze(1)
         true_scores = rows[own, own]  # S_kk
         negatives = (image_key[own][:, None] != image_key[None, :]).to(rows.dtype)
-        rank_sentences = torch.relu(rows[own] - true_scores[:, None] + self.margin)
-        rank_images = torch.relu(columns[:, own].T - true_scores[:, None] + self.margin)
-        return ((rank_sentences + rank_images) * negatives).sum() / num_pairs
+        rank_sentences = torch.relu(rows[own] - true_scores[:, None] + self.margin) * negatives
+        rank_images = torch.relu(columns[:, own].T - true_scores[:, None] + self.margin) * negatives
+        if self.hardest_negative:  # hinges are >= 0, so a pair without negatives adds 0
+            return (rank_sentences.amax(1) + rank_images.amax(1)).sum() / num_pairs
+        return (rank_sentences + rank_images).sum() / num_pairs

@@ -75,7 +75,8 @@ class Trainer:
                              f"{ctx.world_size} ranks; it is the GLOBAL batch size")
         self.loss_fn = DeFragLoss(cfg.objective.beta, cfg.objective.margin, cfg.objective.smooth,
                                   cfg.objective.mil, cfg.objective.balance,
-                                  cfg.objective.use_fragment, cfg.objective.use_global)
+                                  cfg.objective.use_fragment, cfg.objective.use_global,
+                                  cfg.objective.hardest_negative)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
         self.train_image_ids: set[str] | None = None  # listed on first need
