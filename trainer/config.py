@@ -112,6 +112,7 @@ class RunConfig:
     checkpoint_every_steps: int = 0  # also checkpoint every K steps (0: only at epoch ends)
     keep_checkpoints: int = 2  # newest step checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip the step | stop the run, on a NaN or inf loss
+    max_nonfinite_steps: int = 10  # skipped steps in a row that stop the run (diverged weights)
     log_every_steps: int = 10
     register_name: str = "defrag"  # MLflow registered model name of the best checkpoint
     register_alias: str = "champion"

@@ -86,6 +86,7 @@ class Trainer:
         self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
         self.engine = None
         self.engine_finetunes: bool | None = None
+        self.nonfinite_streak = 0  # non-finite losses in a row
 
     def prepare_engine(self, epoch: int) -> None:
         """Build (or rebuild at the phase switch) the engine for this epoch's phase."""
@@ -182,16 +183,24 @@ class Trainer:
             values = sum_over_ranks(values) * to_global
         if not bool(torch.isfinite(values).all()):
             return self.nonfinite_loss(values)
+        self.nonfinite_streak = 0
         self.engine.backward(out["loss"] * scale)
         self.engine.step()
         return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
 
     def nonfinite_loss(self, values: torch.Tensor) -> dict[str, float]:
-        """A NaN / inf loss: every rank sees the same all-reduced value and acts alike."""
+        """A NaN / inf loss: every rank sees the same all-reduced value and acts alike. Skipped
+        steps in a row mean the weights themselves are no longer finite: the run stops."""
         message = (f"non-finite loss {values.tolist()} at step {self.state.global_step} "
                    f"(epoch {self.state.epoch}); the last checkpoint is untouched")
+        self.nonfinite_streak += 1
         if self.cfg.run.nonfinite_loss == "stop":
             raise FloatingPointError(message + "; stopping (run.nonfinite_loss=stop)")
+        if self.nonfinite_streak >= self.cfg.run.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{message}; stopping after {self.nonfinite_streak} non-finite losses in a row "
+                f"(run.max_nonfinite_steps): the weights have diverged (see train/loss before "
+                f"it), lower optim.lr or set optim.grad_clip, then resume from the checkpoint")
         log.warning("%s; skipping the step (run.nonfinite_loss=skip)", message)
         self.engine.skip_step()
         return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
