@@ -1,12 +1,12 @@
 """Training and evaluation data: the featurizer's WebDataset shards -> batches of (image, caption)
 pairs (DESIGN.md sections 4 and 6; the shard format is in featurizer/__init__.py).
 
-A shard sample is one image with all its captions: a `CaptionedImage` once its image is decoded
-ONCE, resized to model.image_size x model.image_size (aspect ratio not kept, boxes scaled
-alike), and its captions encoded by `Vocabulary.encode` in model.fragment_mode. The training
-process reads each shard's metadata once (`index_shard`: tar headers, JSON, caption encoding);
-every epoch its loader processes then only seek to, read and decode the images, and hand over
-their pixels in shared memory with a few integers that name the samples. The training process
+A shard sample is one image with all its captions. As a `CaptionedImage`, its image is decoded
+once per epoch and resized to model.image_size x model.image_size (aspect ratio not kept, boxes
+scaled alike), and its captions are encoded by `Vocabulary.encode` in model.fragment_mode. The
+training process reads each shard's metadata once (`index_shard`: tar headers, JSON, caption
+encoding); every epoch its loader processes then only seek to, read and decode the images, and
+hand over their pixels in shared memory with a few integers that name the samples. It
 expands each image into one `Pair` per caption, shuffles the pairs in a buffer and collates
 `batch_size` of them into a `Batch`: the distinct images of the batch once, and the variable
 numbers of boxes and sentence fragments as flat tensors with owner indices.
