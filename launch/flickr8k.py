@@ -42,6 +42,8 @@ NO_MIL = ["objective.mil=false"]
 FULLFRAME = ["model.fullframe_only=true", "optim.lr=0.01"]
 # Rows measured in session 2 at lr 0.01, before it diverged for the full model (see above).
 LR_0_01 = ["optim.lr=0.01"]
+LITE2 = ["model.backbone=efficientnet_lite2", "model.image_size=260"]  # its native input size
+TWELVE_EPOCHS = ["optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
 
 
 @dataclass
@@ -78,11 +80,11 @@ ROWS = {
     "fullframe_hardest": Row("† + MIL, fullframe only, hardest negatives of the batch (VSE++)",
                              [*FULLFRAME, "objective.hardest_negative=true"]),
     "fullframe_long": Row("† + MIL, fullframe only, 12 epochs (8 + 4 MIL, the last 2 annealed)",
-                          [*FULLFRAME, "optim.epochs=12",
-                           "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]),
+                          [*FULLFRAME, *TWELVE_EPOCHS]),
     "fullframe_lite2": Row("† + MIL, fullframe only, EfficientNet-Lite2 at its 260 px input",
-                           [*FULLFRAME, "model.backbone=efficientnet_lite2",
-                            "model.image_size=260"]),
+                           [*FULLFRAME, *LITE2]),
+    "fullframe_lite2_long": Row("† + MIL, fullframe only, EfficientNet-Lite2, 12 epochs",
+                                [*FULLFRAME, *LITE2, *TWELVE_EPOCHS]),
     "long": Row("† + MIL, 10 epochs (6 phase 1 + 4 MIL, the last 2 annealed)",
                 ["optim.epochs=10", "optim.frozen_cnn_epochs=6", "optim.anneal_last_epochs=2",
                  *LR_0_01]),
