@@ -146,6 +146,18 @@ def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture
     assert retrieve._choose_boxes(only, None, "selective_search", None)["name"] == "fullframe"
 
 
+def test_model_folder_remembers_the_training_parser_and_boxes(world: World,
+                                                               tmp_path: Path) -> None:
+    """A downloaded model parses and boxes new inputs like its training shards even where the
+    shards are not: the folder keeps their parser and box source."""
+    manifest = json.loads((world.shards / "manifest.json").read_text())
+    saved = json.loads((world.model_dir / "featurizer.json").read_text())
+    assert saved == {"parser": manifest["parser"], "box_source": manifest["box_source"]}
+    elsewhere = Config(data=DataConfig(shards=str(tmp_path / "not-here")))
+    assert retrieve._training_featurizer(world.model_dir, elsewhere) == saved
+    assert retrieve._training_featurizer(tmp_path, elsewhere) is None
+
+
 # ---------------------------------------------------------------- the index cache
 
 

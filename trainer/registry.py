@@ -28,6 +28,7 @@ from mlflow.environment_variables import MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 
 from trainer.config import Config, ModelConfig
+from trainer.data import MANIFEST
 from trainer.tracking import connect
 
 # torch and the model are imported inside the functions that save or build a model, so the
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 MODEL_FORMAT = 1
 WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS = (
     "weights.safetensors", "config.json", "vocab.json", "metrics.json", "checksums.json")
+FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
 REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
 WORD_VECTORS = "sentence.word_vectors"  # W_e in the state dict: its width is the word_dim
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
@@ -70,6 +72,9 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
         vocab.save(staging / VOCAB)
         if metrics is not None:
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        featurizer = training_featurizer(config)
+        if featurizer is not None:  # so that new inputs are parsed and boxed alike anywhere
+            (staging / FEATURIZER).write_text(json.dumps(featurizer, indent=2, sort_keys=True))
         files = {p.name: _fingerprint(p) for p in sorted(staging.iterdir())}
         (staging / CHECKSUMS).write_text(
             json.dumps({"format": MODEL_FORMAT, "files": files}, indent=2))
@@ -83,6 +88,18 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def training_featurizer(config: Config) -> dict[str, Any] | None:
+    """The parser and box source of the shards a model was trained on, from their manifest
+    (None when the manifest is not on this machine)."""
+    if config.data.shards is None:
+        return None
+    try:
+        manifest = json.loads((Path(config.data.shards) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
 
 
 def _fingerprint(path: Path) -> dict[str, Any]:

@@ -7,9 +7,10 @@ New inputs take the training code path: an image is read and checked like the fe
 it (`featurizer.images.load_image`), boxed by a featurizer box source, then resized with its boxes
 scaled by `trainer.data.SampleDecoder`, exactly like a shard sample; a sentence is parsed by
 `featurizer.parsing` and encoded with the model's own vocabulary (`Vocabulary.encode`). The box
-source and parser are those recorded in the manifest of the model's training shards (its config's
-data.shards) when that is at hand; otherwise selective search and the featurizer's default parser
-(`--boxes` and `--parser` choose). Scores are eq. 6 as evaluation computes them
+source and parser are those of the model's training shards, which the model folder records
+(`featurizer.json`; folders saved before it existed: the shards' manifest, when at hand);
+otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
+choose). Scores are eq. 6 as evaluation computes them
 (`trainer.evaluate.score_matrix`, the model's smoothing).
 
 The fragment embeddings of --images and --sentences are cached in --index-dir (default
@@ -56,7 +57,7 @@ from trainer.data import (
 from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
 from trainer.pictures import best_boxes, fragment_labels, render_alignment
-from trainer.registry import CHECKSUMS, load_model_folder
+from trainer.registry import CHECKSUMS, FEATURIZER, load_model_folder, training_featurizer
 from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -151,23 +152,24 @@ def make_recipe(model_dir: Path, boxes: str | None, detector_weights: str | None
     """Load the model folder and choose its box source and parser (see the module docstring)."""
     model, cfg, vocab = load_model_folder(model_dir)
     model_key = hashlib.sha256((model_dir / CHECKSUMS).read_bytes()).hexdigest()
-    manifest = _training_manifest(cfg)
+    manifest = _training_featurizer(model_dir, cfg)
     return Recipe(model, cfg, vocab, model_key, _choose_boxes(cfg, manifest, boxes,
                                                               detector_weights),
                   _choose_parser(manifest, parser))
 
 
-def _training_manifest(cfg: Config) -> dict | None:
-    """The manifest of the shards the model was trained on, when this machine has it."""
-    if cfg.data.shards is None:
-        return None
-    path = Path(cfg.data.shards) / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        log.info("the model's training manifest %s is not here: box source and parser are not "
-                 "known from training", path)
-        return None
+def _training_featurizer(model_dir: Path, cfg: Config) -> dict | None:
+    """Parser and box source of the model's training shards: from the model folder (written at
+    save time), else from the shards' manifest when this machine has it."""
+    saved = model_dir / FEATURIZER
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    found = training_featurizer(cfg)
+    if found is None:
+        log.info("the model folder does not say, and its training manifest %s is not here: box "
+                 "source and parser are not known from training",
+                 Path(cfg.data.shards or ".") / MANIFEST)
+    return found
 
 
 def _choose_boxes(cfg: Config, manifest: dict | None, name: str | None,
