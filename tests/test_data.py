@@ -27,7 +27,6 @@ from trainer.data import (
     load_eval_set,
     make_train_loader,
     read_split,
-    split_image_ids,
 )
 from trainer.evaluate import retrieval_metrics, score_matrix
 from trainer.vocab import Vocabulary
@@ -341,7 +340,8 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
                                                    metadata: dict[str, dict]) -> None:
     """pixels=False: the same batches (pairs, boxes, fragments), 1x1 placeholder images."""
     cfg = make_config(shards, {"max_boxes": 3})
-    decoded = list(make_train_loader(cfg, vocab, batch_size=12)[0])
+    loader, _ = make_train_loader(cfg, vocab, batch_size=12)
+    decoded = list(loader)
     skipped = list(make_train_loader(cfg, vocab, batch_size=12, pixels=False)[0])
     assert len(decoded) == len(skipped)
     for full, bare in zip(decoded, skipped, strict=True):
@@ -349,5 +349,5 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
         assert bare.images.shape == (len(bare.image_ids), 3, 1, 1)
         for name in ("boxes", "box_image", "fragments", "fragment_pair", "image_key"):
             assert torch.equal(getattr(full, name), getattr(bare, name)), name
-    ids = split_image_ids(cfg, "train")
-    assert sorted(ids) == sorted(m["image_id"] for m in metadata.values() if m["split"] == "train")
+    assert loader.image_ids() == {m["image_id"] for m in metadata.values()
+                                  if m["split"] == "train"}

@@ -30,7 +30,7 @@ def weights(step: int, run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
 
 
-def test_stop_keeps_the_last_good_checkpoint(tmp_path, shards, monkeypatch, caplog) -> None:
+def test_stop_keeps_the_last_good_checkpoint(tmp_path, shards, monkeypatch) -> None:
     from trainer.main import train
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

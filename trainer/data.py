@@ -529,6 +529,11 @@ class TrainLoader:
         if pixels is not None:
             self.decoder = dataclasses.replace(self.decoder, pixels=pixels)
 
+    def image_ids(self) -> set[str]:
+        """The id of every usable image of the training split (from the metadata read once)."""
+        return {sample.image.image_id for index in self.indexes.values()
+                for sample in index.samples}
+
     def __len__(self) -> int:
         return self.steps_per_epoch
 
@@ -589,12 +594,6 @@ def make_train_loader(cfg: Config, vocab: Vocabulary, rank: int | None = None,
     """
     loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch, pixels)
     return loader, loader.steps_per_epoch
-
-
-def split_image_ids(cfg: Config, split: str) -> list[str]:
-    """The image id of every sample of a split, from the shards' JSON (no image decoding)."""
-    return [str(json.loads(sample["json"])["image_id"])
-            for sample in _read_shards(read_split(cfg.data.shards, split).urls)]
 
 
 def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -28,7 +28,6 @@ from mlflow.environment_variables import MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 
 from trainer.config import Config, ModelConfig
-from trainer.data import MANIFEST
 from trainer.tracking import connect
 
 # torch and the model are imported inside the functions that save or build a model, so the
@@ -93,6 +92,8 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
 def training_featurizer(config: Config) -> dict[str, Any] | None:
     """The parser and box source of the shards a model was trained on, from their manifest
     (None when the manifest is not on this machine)."""
+    from trainer.data import MANIFEST
+
     if config.data.shards is None:
         return None
     try:

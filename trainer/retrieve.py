@@ -47,7 +47,6 @@ from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
 from trainer.config import Config
 from trainer.data import (
-    MANIFEST,
     BadSample,
     CaptionedImage,
     SampleDecoder,
@@ -166,9 +165,9 @@ def _training_featurizer(model_dir: Path, cfg: Config) -> dict | None:
         return json.loads(saved.read_text())
     found = training_featurizer(cfg)
     if found is None:
-        log.info("the model folder does not say, and its training manifest %s is not here: box "
-                 "source and parser are not known from training",
-                 Path(cfg.data.shards or ".") / MANIFEST)
+        log.info("neither the model folder (%s) nor the manifest of its training shards (%s) is "
+                 "here: box source and parser are not known from training", FEATURIZER,
+                 cfg.data.shards)
     return found
 
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.data import Batch, load_eval_set, make_train_loader, split_image_ids, unit_float
+from trainer.data import Batch, load_eval_set, make_train_loader, unit_float
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate_model
@@ -79,7 +79,6 @@ class Trainer:
                                   cfg.objective.hardest_negative)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
-        self.train_image_ids: set[str] | None = None  # listed on first need
         # One loader for every epoch: it reads each shard's metadata once.
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
                                                     batch_size=self.per_rank_batch)
@@ -152,9 +151,7 @@ class Trainer:
         features of every training image (from a previous epoch, or the disk cache)."""
         if self.cache is None or finetunes_cnn(epoch, self.cfg):
             return False
-        if self.train_image_ids is None:
-            self.train_image_ids = set(split_image_ids(self.cfg, self.cfg.data.train_split))
-        return self.train_image_ids.issubset(self.cache.features)
+        return self.loader.image_ids().issubset(self.cache.features)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
         """One SGD step on the global batch; returns the global loss terms."""
