@@ -38,6 +38,7 @@ as sentences.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
@@ -47,7 +48,6 @@ import os
 import random
 import tarfile
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,11 +58,11 @@ import torch.distributed as dist
 import webdataset as wds
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
 from featurizer.shards import FORMAT_VERSION
 from trainer.config import Config
+from trainer.loader_processes import Chunk, run_in_processes
 from trainer.vocab import FRAGMENT_MODES, Vocabulary
 
 log = logging.getLogger(__name__)
@@ -413,68 +413,36 @@ def _image_bytes(shard: ShardIndex) -> Iterator[bytes]:
                          f"epoch's start: was it rewritten or removed meanwhile?") from err
 
 
-@dataclass
-class _Chunk:
-    """What a loader process hands over: which samples it decoded, their pixels as one tensor
-    (stacked straight into shared memory by default_collate: the training process maps it, no
-    copy), and the samples it skipped meanwhile. Only a few integers are pickled."""
-
-    rows: list[tuple[int, int]]  # (shard number in the stream's list, sample number in it)
-    pixels: Tensor  # uint8 [n, S, S, 3]
-    skipped: list[str]
-
-    @classmethod
-    def pack(cls, rows: list[tuple[int, int]], pixels: list[np.ndarray],
-             skipped: list[str]) -> _Chunk:
-        if not pixels:
-            return cls(rows, torch.zeros(0, 1, 1, 3, dtype=torch.uint8), skipped)
-        with warnings.catch_warnings():  # PIL's arrays are read-only; they are only read here
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return cls(rows, default_collate([torch.from_numpy(p) for p in pixels]), skipped)
-
-
-def _as_is(chunk: _Chunk) -> _Chunk:
-    return chunk
-
-
-class _ImageStream(IterableDataset):
-    """The decoded images of one rank's loader processes: each reads its share of `shards` in
-    a seeded order (exact), or draws shards with replacement, endlessly (resampled)."""
-
-    def __init__(self, shards: list[ShardIndex], decoder: SampleDecoder, seed: str,
-                 resampled: bool) -> None:
-        super().__init__()
-        self.shards, self.decoder, self.seed, self.resampled = shards, decoder, seed, resampled
-
-    def __iter__(self) -> Iterator[_Chunk]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rng = random.Random(f"{self.seed}:{worker}")
-        if self.resampled:
-            order: Iterable[int] = (rng.randrange(len(self.shards)) for _ in itertools.count())
-        else:
-            order = list(range(len(self.shards)))[worker::workers]
-            rng.shuffle(order)
-        rows: list[tuple[int, int]] = []
-        pixels: list[np.ndarray] = []
-        skipped: list[str] = []
-        for number in order:
-            shard = self.shards[number]
-            data = (_image_bytes(shard) if self.decoder.pixels
-                    else itertools.repeat(b"", len(shard.samples)))
-            for row, (sample, image_bytes) in enumerate(zip(shard.samples, data, strict=True)):
-                try:
-                    pixels.append(self.decoder.with_pixels(sample.image, image_bytes).pixels)
-                except BadSample as err:
-                    skipped.append(f"{shard.url} sample {sample.key!r}: {err}")
-                    log.warning("skipped %s (%d skipped by this process)", skipped[-1],
-                                len(skipped))
-                    continue
-                rows.append((number, row))
-                if len(rows) == CHUNK_IMAGES:
-                    yield _Chunk.pack(rows, pixels, skipped)
-                    rows, pixels, skipped = [], [], []
-        yield _Chunk.pack(rows, pixels, skipped)
+def _image_chunks(shards: list[ShardIndex], decoder: SampleDecoder, seed: str, resampled: bool,
+                  process: int, processes: int) -> Iterator[Chunk]:
+    """The decoded images of loader process `process` of `processes`, CHUNK_IMAGES at a time:
+    its share of `shards` in a seeded order (exact), or shards drawn with replacement, endlessly
+    (resampled). A row is (shard number in `shards`, sample number in it)."""
+    rng = random.Random(f"{seed}:{process}")
+    if resampled:
+        order: Iterable[int] = (rng.randrange(len(shards)) for _ in itertools.count())
+    else:
+        order = list(range(len(shards)))[process::processes]
+        rng.shuffle(order)
+    rows: list[tuple[int, int]] = []
+    pixels: list[np.ndarray] = []
+    skipped: list[str] = []
+    for number in order:
+        shard = shards[number]
+        data = (_image_bytes(shard) if decoder.pixels
+                else itertools.repeat(b"", len(shard.samples)))
+        for row, (sample, image_bytes) in enumerate(zip(shard.samples, data, strict=True)):
+            try:
+                pixels.append(decoder.with_pixels(sample.image, image_bytes).pixels)
+            except BadSample as err:
+                skipped.append(f"{shard.url} sample {sample.key!r}: {err}")
+                log.warning("skipped %s (%d skipped by this process)", skipped[-1], len(skipped))
+                continue
+            rows.append((number, row))
+            if len(rows) == CHUNK_IMAGES:
+                yield rows, pixels, skipped
+                rows, pixels, skipped = [], [], []
+    yield rows, pixels, skipped
 
 
 class TrainLoader:
@@ -564,14 +532,18 @@ class TrainLoader:
     def _pass(self, seed: str) -> Iterator[Pair]:
         """The pairs of one pass of this rank's loader processes, in the order they arrive."""
         shards = [self.indexes[url] for url in self._shards()]
-        stream = _ImageStream(shards, self.decoder, seed, self.resampled)
-        for chunk in DataLoader(stream, batch_size=None, num_workers=self.workers,
-                                collate_fn=_as_is,
-                                prefetch_factor=PREFETCH_CHUNKS if self.workers else None):
-            self.skipped.update(chunk.skipped)
-            for (number, row), pixels in zip(chunk.rows, chunk.pixels.numpy(), strict=True):
-                image = shards[number].samples[row].image
-                yield from dataclasses.replace(image, pixels=pixels).pairs()
+        size = self.decoder.image_size if self.decoder.pixels else 1
+        chunks = run_in_processes(
+            functools.partial(_image_chunks, shards, self.decoder, seed, self.resampled),
+            self.workers, CHUNK_IMAGES, (size, size, 3), PREFETCH_CHUNKS)
+        try:
+            for rows, pixels, skipped in chunks:
+                self.skipped.update(skipped)
+                for (number, row), image_pixels in zip(rows, pixels, strict=True):
+                    image = shards[number].samples[row].image
+                    yield from dataclasses.replace(image, pixels=image_pixels).pairs()
+        finally:
+            chunks.close()  # stops the loader processes
 
     def _shards(self) -> list[str]:
         """Every shard (resampled), or this rank's share of the epoch's deal (exact)."""
