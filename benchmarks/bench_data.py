@@ -12,6 +12,10 @@ least 80% of plain decode throughput per loader process).
     to --image-size: exactly the loader's decode), images/s.
 ratio = loader images/s / (workers x plain images/s).
 
+(a) and (b) alternate, one epoch and one pass over the same images at a time, --repeats times, and
+the ratios are the medians of each repeat's: this VM's speed drifts by 20% within seconds, so
+timing all of (b) first and all of (a) after measured the drift as much as the loader.
+
 Wall-clock rates depend on what else the machine runs, so CPU time per image is reported too:
 of plain decoding, of the loader processes (their whole life, from the kernel's accounting of
 finished children) and of the training process (collation). cpu ratio = plain CPU per image /
@@ -23,7 +27,7 @@ half a minute). The cheaper an image is to decode, the more the loader's fixed p
 (reading the bytes, handing the pixels over) weighs in the ratio.
 
     python benchmarks/bench_data.py [--shards DIR] [--split train] [--workers 1]
-        [--batch-size 100] [--image-size 224] [--epochs 2] [--synthetic-size 128]
+        [--batch-size 100] [--image-size 224] [--repeats 3] [--synthetic-size 128]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -61,35 +66,29 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_loader(cfg: Config, vocab: Vocabulary, batch_size: int, epochs: int) -> dict:
-    started = time.perf_counter()
-    loader = TrainLoader(cfg, vocab, batch_size, rank=0, world_size=1)  # reads the metadata
-    index_s = time.perf_counter() - started
-    pairs = images = 0
+def time_loader_epoch(loader: TrainLoader, epoch: int) -> dict:
+    """One epoch of `loader`: images/s and pairs/s as the training loop gets them, CPU per image
+    of the loader processes (reaped at the epoch's end) and of this process."""
+    pairs, seen = 0, set()
     start, cpu, workers_cpu = time.perf_counter(), time.process_time(), children_cpu()
-    for epoch in range(epochs):
-        loader.set_epoch(epoch)
-        seen: set[str] = set()
-        for batch in loader:
-            pairs += len(batch.captions)
-            seen.update(batch.image_ids)
-        images += len(seen)
+    loader.set_epoch(epoch)
+    for batch in loader:
+        pairs += len(batch.captions)
+        seen.update(batch.image_ids)
     seconds = time.perf_counter() - start
-    return {"index_s": index_s, "pairs_per_s": pairs / seconds, "images_per_s": images / seconds,
-            "workers_cpu_ms": (children_cpu() - workers_cpu) / images * 1e3,
-            "main_cpu_ms": (time.process_time() - cpu) / images * 1e3}
+    return {"pairs_per_s": pairs / seconds, "images_per_s": len(seen) / seconds,
+            "workers_cpu_ms": (children_cpu() - workers_cpu) / len(seen) * 1e3,
+            "main_cpu_ms": (time.process_time() - cpu) / len(seen) * 1e3}
 
 
-def time_plain_decode(urls: list[str], size: int, epochs: int) -> dict:
-    images = [s.get("jpg", s.get("png")) for s in wds.tarfile_samples([{"url": u} for u in urls])]
+def time_plain_decode(images: list[bytes], size: int) -> dict:
+    """One pass of trainer.data.decode_image over `images`, in this process."""
     start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(epochs):
-        for data in images:
-            decode_image(data, size)
+    for data in images:
+        decode_image(data, size)
     seconds = time.perf_counter() - start
-    return {"images_per_s": len(images) * epochs / seconds,
-            "cpu_ms": (time.process_time() - cpu) / (len(images) * epochs) * 1e3,
-            "megabytes": sum(map(len, images)) / 1e6}
+    return {"images_per_s": len(images) / seconds,
+            "cpu_ms": (time.process_time() - cpu) / len(images) * 1e3}
 
 
 def main() -> None:
@@ -102,8 +101,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="loader processes")
     parser.add_argument("--batch-size", type=int, default=100, help="pairs per batch")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternations of one loader epoch and one plain decoding pass")
     args = parser.parse_args()
+    if args.workers < 1:
+        parser.error("--workers must be >= 1: this measures loader processes")
     with tempfile.TemporaryDirectory() as tmp:
         shards = args.shards or synthetic_shards(Path(tmp), args.synthetic_images,
                                                  args.synthetic_size)
@@ -112,34 +114,40 @@ def main() -> None:
                                 "model": {"image_size": args.image_size}})
         vocab = Vocabulary.load(shards / "vocab.json")
         split = read_split(shards, args.split)
-        plain = time_plain_decode(split.urls, args.image_size, args.epochs)
-        loader = time_loader(cfg, vocab, args.batch_size, args.epochs)
-    ratio = loader["images_per_s"] / (args.workers * plain["images_per_s"])
-    cpu_ratio = plain["cpu_ms"] / loader["workers_cpu_ms"]
-    print(f"{shards} split {args.split!r}: {split.images} images ({plain['megabytes']:.1f} MB), "
-          f"{split.captions} pairs, {len(split.urls)} shards; image size {args.image_size}; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"loader: metadata of the split read once in {loader['index_s']:.2f} s "
-          f"({loader['index_s'] / split.images * 1e3:.2f} ms per image), when it is made")
-    print(f"loader, {args.workers} process(es): {loader['pairs_per_s']:.0f} pairs/s, "
-          f"{loader['images_per_s']:.1f} images/s; CPU per image: loader processes "
-          f"{loader['workers_cpu_ms']:.2f} ms, training process {loader['main_cpu_ms']:.2f} ms")
-    print(f"plain decode, 1 process: {plain['images_per_s']:.1f} images/s; CPU per image "
-          f"{plain['cpu_ms']:.2f} ms")
-    print(f"ratio per loader process: {ratio:.2f} wall, {cpu_ratio:.2f} cpu "
-          f"(target >= {TARGET})")
+        images = [s.get("jpg", s.get("png"))
+                  for s in wds.tarfile_samples([{"url": u} for u in split.urls])]
+        started = time.perf_counter()
+        loader = TrainLoader(cfg, vocab, args.batch_size, rank=0, world_size=1)
+        index_s = time.perf_counter() - started  # the metadata, read once
+        runs = []
+        for repeat in range(args.repeats):
+            runs.append({"plain": time_plain_decode(images, args.image_size),
+                         "loader": time_loader_epoch(loader, repeat)})
+    print(f"{shards} split {args.split!r}: {split.images} images "
+          f"({sum(map(len, images)) / 1e6:.1f} MB), {split.captions} pairs, {len(split.urls)} "
+          f"shards; image size {args.image_size}; {os.cpu_count()} CPUs")
+    print(f"loader: metadata of the split read once in {index_s:.2f} s "
+          f"({index_s / split.images * 1e3:.2f} ms per image), when it is made")
+    for repeat, run in enumerate(runs):
+        loader, plain = run["loader"], run["plain"]
+        run["ratio"] = loader["images_per_s"] / (args.workers * plain["images_per_s"])
+        run["cpu_ratio"] = plain["cpu_ms"] / loader["workers_cpu_ms"]
+        print(f"repeat {repeat}: loader, {args.workers} process(es): "
+              f"{loader['pairs_per_s']:.0f} pairs/s, {loader['images_per_s']:.1f} images/s, "
+              f"CPU per image {loader['workers_cpu_ms']:.3f} ms in the loader processes, "
+              f"{loader['main_cpu_ms']:.3f} ms in the training process; plain decode "
+              f"{plain['images_per_s']:.1f} images/s, {plain['cpu_ms']:.3f} ms; ratio "
+              f"{run['ratio']:.2f} wall, {run['cpu_ratio']:.2f} cpu")
+    ratio = statistics.median(run["ratio"] for run in runs)
+    cpu_ratio = statistics.median(run["cpu_ratio"] for run in runs)
+    print(f"ratio per loader process, median of {args.repeats}: {ratio:.2f} wall, "
+          f"{cpu_ratio:.2f} cpu (target >= {TARGET}); load average {os.getloadavg()[0]:.1f}")
     print(json.dumps({"shards": str(shards), "split": args.split, "images": split.images,
                       "pairs": split.captions, "image_size": args.image_size,
                       "workers": args.workers, "batch_size": args.batch_size,
-                      "epochs": args.epochs, "loader_index_s": loader["index_s"],
-                      "loader_pairs_per_s": loader["pairs_per_s"],
-                      "loader_images_per_s": loader["images_per_s"],
-                      "plain_images_per_s": plain["images_per_s"], "ratio_per_worker": ratio,
-                      "loader_process_cpu_ms": loader["workers_cpu_ms"],
-                      "training_process_cpu_ms": loader["main_cpu_ms"],
-                      "plain_cpu_ms": plain["cpu_ms"], "cpu_ratio_per_worker": cpu_ratio,
-                      "target": TARGET, "load_average": os.getloadavg()[0]}))
-
+                      "loader_index_s": index_s, "runs": runs, "ratio_per_worker": ratio,
+                      "cpu_ratio_per_worker": cpu_ratio, "target": TARGET,
+                      "load_average": os.getloadavg()[0]}))
 
 if __name__ == "__main__":
     main()

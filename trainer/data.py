@@ -229,10 +229,15 @@ class SampleDecoder:
                               (width, height))
 
     def with_pixels(self, image: CaptionedImage, data: bytes) -> CaptionedImage:
-        """`image` with its pixels decoded from `data` (unless this decoder skips pixels);
-        BadSample if the bytes do not decode to an image of the size its metadata gives."""
+        """`image` with its pixels decoded from `data` (see `pixels_of`)."""
+        return dataclasses.replace(image, pixels=self.pixels_of(image, data))
+
+    def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
+        """The pixels of `image` decoded from `data` (the placeholder when this decoder skips
+        pixels); BadSample if the bytes do not decode to an image of the size its metadata
+        gives."""
         if not self.pixels:
-            return image
+            return PLACEHOLDER_PIXELS
         try:
             pixels, size = decode_image(data, self.image_size)
         except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
@@ -240,7 +245,7 @@ class SampleDecoder:
         if size != image.size:
             raise BadSample(f"the image is {size[0]} x {size[1]} pixels, its metadata (and "
                             f"boxes) say {image.size[0]} x {image.size[1]}")
-        return dataclasses.replace(image, pixels=pixels)
+        return pixels
 
 
 def _read_shards(urls: Iterable[str]) -> Iterator[dict]:
@@ -404,10 +409,15 @@ def _indexed_sample(tar: tarfile.TarFile, key: str, entries: dict[str, tarfile.T
 def _image_bytes(shard: ShardIndex) -> Iterator[bytes]:
     """The image bytes of each sample of an indexed shard, in order."""
     try:
-        with open(shard.url, "rb") as file:
+        file = os.open(shard.url, os.O_RDONLY)
+        try:
             for sample in shard.samples:
-                file.seek(sample.offset)
-                yield file.read(sample.size)
+                data = os.pread(file, sample.size, sample.offset)
+                if len(data) != sample.size:
+                    raise OSError(f"sample {sample.key!r} ends past the end of the file")
+                yield data
+        finally:
+            os.close(file)
     except OSError as err:
         raise ShardError(f"cannot read shard {shard.url} ({err}) although it was indexed at the "
                          f"epoch's start: was it rewritten or removed meanwhile?") from err
@@ -433,7 +443,7 @@ def _image_chunks(shards: list[ShardIndex], decoder: SampleDecoder, seed: str, r
                 else itertools.repeat(b"", len(shard.samples)))
         for row, (sample, image_bytes) in enumerate(zip(shard.samples, data, strict=True)):
             try:
-                pixels.append(decoder.with_pixels(sample.image, image_bytes).pixels)
+                pixels.append(decoder.pixels_of(sample.image, image_bytes))
             except BadSample as err:
                 skipped.append(f"{shard.url} sample {sample.key!r}: {err}")
                 log.warning("skipped %s (%d skipped by this process)", skipped[-1], len(skipped))

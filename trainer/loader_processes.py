@@ -83,6 +83,7 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
         return
     context = multiprocessing.get_context("fork")  # the slots and the source are inherited
     children: list[tuple[multiprocessing.Process, Connection, np.ndarray, object]] = []
+    running: list[int] = []  # processes that have not sent their last chunk yet
     try:
         for process in range(processes):
             ring = _shared_ring(prefetch, chunk_images, image_shape)
@@ -94,7 +95,7 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
             child.start()
             writer.close()  # the child's copy is now the only one: its exit ends the pipe
             children.append((child, reader, ring, free_slots))
-        running = list(range(processes))
+            running.append(process)
         while running:
             for process in list(running):
                 child, reader, ring, free_slots = children[process]
@@ -107,8 +108,8 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
                 free_slots.release()
                 yield rows, pixels, skipped
     finally:
-        for child, reader, _, _ in children:
-            if child.is_alive():
+        for process, (child, reader, _, _) in enumerate(children):
+            if process in running:  # stopped early, or failed: nothing more is wanted
                 child.terminate()
             child.join()
             reader.close()
