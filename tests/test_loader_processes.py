@@ -139,6 +139,7 @@ def test_a_loader_process_yields_the_batches_of_one_process(shards: Path) -> Non
     for a, b in zip(here, there, strict=True):
         assert a.image_ids == b.image_ids and a.captions == b.captions
         assert torch.equal(a.images, b.images) and torch.equal(a.boxes, b.boxes)
+    assert multiprocessing.active_children() == []  # the epoch's end stopped the process
 
 
 def test_a_shard_removed_during_an_epoch_is_named(shards: Path, tmp_path: Path) -> None:

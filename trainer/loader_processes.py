@@ -14,7 +14,6 @@ that have finished, so the result depends only on what each process generates.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import multiprocessing
 import os
@@ -23,10 +22,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Semaphore
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 Chunk = tuple[list, Sequence[np.ndarray], list[str]]  # (rows, pixels of each row, skipped)
 ChunkSource = Callable[[int, int], Iterator[Chunk]]  # (process, processes) -> its chunks
@@ -48,7 +46,7 @@ def _shared_ring(slots: int, chunk_images: int, image_shape: tuple[int, ...]) ->
 
 
 def _serve(source: ChunkSource, process: int, processes: int, ring: np.ndarray,
-           free_slots, connection: Connection, parent: int) -> None:
+           free_slots: Semaphore, connection: Connection, parent: int) -> None:
     """A loader process: each chunk of `source` into the next ring slot once the training
     process has freed it, then a message naming the slot; None at the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the training process, which
@@ -82,7 +80,7 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
         yield from source(0, 1)
         return
     context = multiprocessing.get_context("fork")  # the slots and the source are inherited
-    children: list[tuple[multiprocessing.Process, Connection, np.ndarray, object]] = []
+    children: list[tuple[multiprocessing.Process, Connection, np.ndarray, Semaphore]] = []
     running: list[int] = []  # processes that have not sent their last chunk yet
     try:
         for process in range(processes):
@@ -115,7 +113,7 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
             reader.close()
 
 
-def _receive(child: multiprocessing.Process, reader: Connection, process: int):
+def _receive(child: multiprocessing.Process, reader: Connection, process: int) -> tuple | None:
     """The next message of a loader process; its exception re-raised here if it failed."""
     try:
         message = reader.recv()
