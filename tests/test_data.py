@@ -336,10 +336,12 @@ def test_ranks_of_a_process_group_split_the_shards(shards: Path, metadata: dict[
     assert seen == split_pairs(metadata, "train")
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabulary,
-                                                   metadata: dict[str, dict]) -> None:
+                                                   metadata: dict[str, dict],
+                                                   workers: int) -> None:
     """pixels=False: the same batches (pairs, boxes, fragments), 1x1 placeholder images."""
-    cfg = make_config(shards, {"max_boxes": 3})
+    cfg = make_config(shards, {"max_boxes": 3, "workers": workers})
     loader, _ = make_train_loader(cfg, vocab, batch_size=12)
     decoded = list(loader)
     skipped = list(make_train_loader(cfg, vocab, batch_size=12, pixels=False)[0])
