@@ -23,11 +23,13 @@ from trainer.data import (
     Batch,
     ShardError,
     TrainLoader,
+    batches_on_device,
     image_key,
     load_eval_set,
     make_train_loader,
     read_split,
 )
+from trainer.distributed import end_process
 from trainer.evaluate import retrieval_metrics, score_matrix
 from trainer.vocab import Vocabulary
 
@@ -322,7 +324,7 @@ def _rank_main(rank: int, shards: str, vocab_file: str, out: str) -> None:
         dist.barrier()  # a rank with fewer batches would hang here
         pairs += batch_pairs(batch)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"steps": steps, "pairs": pairs}))
-    dist.destroy_process_group()
+    end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
 
 
 @pytest.mark.slow
@@ -353,3 +355,30 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
             assert torch.equal(getattr(full, name), getattr(bare, name)), name
     assert loader.image_ids() == {m["image_id"] for m in metadata.values()
                                   if m["split"] == "train"}
+
+
+def test_a_resumed_epoch_skips_its_first_batches_in_the_same_order(
+        shards: Path, vocab: Vocabulary) -> None:
+    loader = TrainLoader(make_config(shards, {"workers": 1}), vocab, batch_size=12)
+    whole, resumed = list(loader), list(loader.batches(skip=5))
+    assert len(resumed) == len(whole) - 5 == 11
+    assert [batch_pairs(b) for b in resumed] == [batch_pairs(b) for b in whole[5:]]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_batches_on_device_keep_the_order_and_stop_the_loader(
+        shards: Path, vocab: Vocabulary, prefetch: bool) -> None:
+    """The prefetching path (a thread collates the next batch; CUDA pins it too) runs on CPU
+    here: same batches, float images, and leaving early stops the loader processes."""
+    loader = TrainLoader(make_config(shards, {"workers": 2}), vocab, batch_size=12)
+    expected = list(loader)
+    moved = list(batches_on_device(loader.batches(), torch.device("cpu"), prefetch))
+    assert [batch_pairs(b) for b in moved] == [batch_pairs(b) for b in expected]
+    for got, want in zip(moved, expected, strict=True):
+        assert got.images.dtype == torch.float32
+        assert torch.equal(got.images, want.images.float() / 255)
+    early = batches_on_device(loader.batches(), torch.device("cpu"), prefetch)
+    next(early)
+    assert mp.active_children()  # the loader processes of the epoch
+    early.close()
+    assert mp.active_children() == []

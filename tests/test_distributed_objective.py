@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.distributed import gather_global_batch, sum_over_ranks
+from trainer.distributed import end_process, gather_global_batch, sum_over_ranks
 from trainer.objectives import DeFragLoss
 
 # Seven pairs split unevenly over the ranks; pairs 1 and 4 (and 0 and 5) share an image,
@@ -39,7 +39,7 @@ def worker(rank, world_size, init_file):
     for mil, hardest_negative in ((True, False), (False, False), (True, True)):
         check_gradients(rank, world_size,
                         DeFragLoss(mil=mil, beta=0.5, hardest_negative=hardest_negative))
-    dist.destroy_process_group()
+    end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
 
 
 def check_gradients(rank, world_size, loss_fn):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -113,6 +115,17 @@ def init_distributed(device: str = "auto") -> DistContext:
         dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, device_id=where if use_cuda else None)
     return DistContext(rank, world_size, local_rank, where)
+
+
+def end_process(code: int) -> NoReturn:
+    """Leave a rank's process: its process group destroyed, output flushed, and no interpreter
+    teardown, where gloo's and DeepSpeed's threads sometimes abort the process ("terminate
+    called without an active exception", DESIGN.md section 7)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:

@@ -11,16 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainer.checkpoint import TrainState, clear_partial, latest_checkpoint, load_state
 from trainer.config import Config
-from trainer.distributed import DistContext, init_distributed
+from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
 from trainer.preemption import Preempted
 from trainer.tracking import Tracker
@@ -85,26 +82,21 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    code = 0
+    code = 1  # unless the training ends or is preempted
     try:
         cfg = Config.load(args.config, args.overrides)
         ctx = init_distributed(cfg.run.device)
         summary = train(cfg, ctx, args.resume)
         if ctx.is_main:
             print(json.dumps(summary))
+        code = 0
     except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
         log.info("%s", stop)
+        code = 0
     except Exception:
         log.exception("training failed")
-        code = 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # DeepSpeed processes sometimes abort at interpreter exit (DESIGN.md 7): leave directly.
-    os._exit(code)
-
+        end_process(code)
 
 if __name__ == "__main__":
     main()

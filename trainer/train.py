@@ -22,7 +22,13 @@ from tqdm import tqdm
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.data import Batch, load_eval_set, make_train_loader, unit_float
+from trainer.data import (
+    Batch,
+    batches_on_device,
+    load_eval_set,
+    make_train_loader,
+    unit_float,
+)
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate_model
@@ -118,16 +124,13 @@ class Trainer:
         self.engine.set_lr(lr)
         self.model.train()
         self.loader.set_epoch(epoch, pixels=not self.features_cover_training_set(epoch))
-        loader, steps = self.loader, self.steps
-        bar = tqdm(total=steps, initial=self.state.step_in_epoch, desc=f"epoch {epoch}",
+        steps, done = self.steps, self.state.step_in_epoch
+        bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}",
                    disable=not self.ctx.is_main, dynamic_ncols=True)
         started, pairs_seen = time.perf_counter(), 0
-        for index, batch in enumerate(loader):
-            if index >= steps:
-                break
-            if index < self.state.step_in_epoch:  # resumed mid-epoch: replay the order
-                continue
-            losses = self.train_step(batch.to(self.ctx.device), epoch)
+        batches = batches_on_device(self.loader.batches(skip=done), self.ctx.device)
+        for index, batch in enumerate(batches, start=done):
+            losses = self.train_step(batch, epoch)
             self.state.step_in_epoch = index + 1
             self.state.global_step += 1
             pairs_seen += len(batch.image_key) * self.ctx.world_size
