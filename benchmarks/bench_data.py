@@ -129,13 +129,13 @@ def main() -> None:
     print(f"loader: metadata of the split read once in {index_s:.2f} s "
           f"({index_s / split.images * 1e3:.2f} ms per image), when it is made")
     for repeat, run in enumerate(runs):
-        loader, plain = run["loader"], run["plain"]
-        run["ratio"] = loader["images_per_s"] / (args.workers * plain["images_per_s"])
-        run["cpu_ratio"] = plain["cpu_ms"] / loader["workers_cpu_ms"]
+        epoch, plain = run["loader"], run["plain"]
+        run["ratio"] = epoch["images_per_s"] / (args.workers * plain["images_per_s"])
+        run["cpu_ratio"] = plain["cpu_ms"] / epoch["workers_cpu_ms"]
         print(f"repeat {repeat}: loader, {args.workers} process(es): "
-              f"{loader['pairs_per_s']:.0f} pairs/s, {loader['images_per_s']:.1f} images/s, "
-              f"CPU per image {loader['workers_cpu_ms']:.3f} ms in the loader processes, "
-              f"{loader['main_cpu_ms']:.3f} ms in the training process; plain decode "
+              f"{epoch['pairs_per_s']:.0f} pairs/s, {epoch['images_per_s']:.1f} images/s, "
+              f"CPU per image {epoch['workers_cpu_ms']:.3f} ms in the loader processes, "
+              f"{epoch['main_cpu_ms']:.3f} ms in the training process; plain decode "
               f"{plain['images_per_s']:.1f} images/s, {plain['cpu_ms']:.3f} ms; ratio "
               f"{run['ratio']:.2f} wall, {run['cpu_ratio']:.2f} cpu")
     ratio = statistics.median(run["ratio"] for run in runs)
@@ -148,6 +148,7 @@ def main() -> None:
                       "loader_index_s": index_s, "runs": runs, "ratio_per_worker": ratio,
                       "cpu_ratio_per_worker": cpu_ratio, "target": TARGET,
                       "load_average": os.getloadavg()[0]}))
+
 
 if __name__ == "__main__":
     main()

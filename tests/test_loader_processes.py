@@ -96,6 +96,7 @@ def test_stopping_early_ends_the_loader_processes() -> None:
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_loader_processes_exit_when_the_training_process_dies(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import multiprocessing, os

@@ -98,5 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         end_process(code)
 
+
 if __name__ == "__main__":
     main()
