@@ -1,6 +1,6 @@
-"""trainer/data.py on real featurizer shards of the synthetic dataset: batch contents, fragment
-modes, exact and resampled epochs over ranks and loader processes, seeded order, eval sets and
-bad input."""
+"""The shard reader, training loader and eval set on real featurizer shards of the synthetic
+dataset: batch contents, fragment modes, exact and resampled epochs over ranks and loader
+processes, seeded order, eval sets and bad input."""
 
 from __future__ import annotations
 
@@ -18,19 +18,14 @@ import torch.multiprocessing as mp
 import webdataset as wds
 from PIL import Image
 
+from trainer.batch import Batch, batches_on_device
 from trainer.config import Config
-from trainer.data import (
-    Batch,
-    ShardError,
-    TrainLoader,
-    batches_on_device,
-    image_key,
-    load_eval_set,
-    make_train_loader,
-    read_split,
-)
 from trainer.distributed import end_process
+from trainer.eval_set import load_eval_set
 from trainer.evaluate import retrieval_metrics, score_matrix
+from trainer.reader import image_key
+from trainer.shardset import ShardError, locate_split
+from trainer.train_loader import TrainLoader, make_train_loader
 from trainer.vocab import Vocabulary
 
 SIZE = 64  # model.image_size in these tests; the synthetic images are 128 x 128
@@ -196,36 +191,54 @@ def test_order_is_seeded_by_epoch(shards: Path, vocab: Vocabulary) -> None:
     assert [pair for batch in reseeded for pair in batch_pairs(batch)] != orders[0]
 
 
+def eval_batches(cfg: Config, vocab: Vocabulary, split: str | None = None,
+                 max_images: int | None = None, size: int = 4) -> tuple[Batch, list]:
+    """Every batch of an eval set collated into one (owners renumbered), and its problems."""
+    eval_set = load_eval_set(cfg, vocab, split, max_images, rank=0, world_size=1)
+    batches = list(eval_set.batches(size))
+    assert all(len(b.image_ids) <= size for b in batches)
+    images = [Batch(b.images, b.boxes, b.box_image, b.pair_image, b.fragments, b.fragment_pair,
+                    b.image_key, b.image_ids, b.captions) for b in batches]
+    first_image = np.cumsum([0] + [len(b.image_ids) for b in images[:-1]])
+    first_pair = np.cumsum([0] + [len(b.captions) for b in images[:-1]])
+    whole = Batch(
+        torch.cat([b.images for b in images]), torch.cat([b.boxes for b in images]),
+        torch.cat([b.box_image + int(k) for b, k in zip(images, first_image, strict=True)]),
+        torch.cat([b.pair_image + int(k) for b, k in zip(images, first_image, strict=True)]),
+        torch.cat([b.fragments for b in images]),
+        torch.cat([b.fragment_pair + int(k) for b, k in zip(images, first_pair, strict=True)]),
+        torch.cat([b.image_key for b in images]),
+        [i for b in images for i in b.image_ids], [c for b in images for c in b.captions])
+    return whole, eval_set.problems
+
+
 def test_eval_set_has_every_image_once_with_all_its_captions(
         shards: Path, vocab: Vocabulary, metadata: dict[str, dict]) -> None:
     cfg = make_config(shards, {"max_boxes": 2})
-    eval_set = load_eval_set(cfg, vocab)
+    whole, problems = eval_batches(cfg, vocab)
     val = sorted(m["image_id"] for m in metadata.values() if m["split"] == "val")
-    assert eval_set.image_ids == val  # shard order = image id order
-    assert (eval_set.num_images, eval_set.num_sentences) == (10, 50)
-    assert eval_set.pixels.dtype == torch.uint8 and eval_set.pixels.shape == (10, 3, SIZE, SIZE)
+    assert whole.image_ids == val and not problems  # shard order = image id order
+    assert (len(whole.image_ids), len(whole.captions)) == (10, 50)
+    assert whole.images.dtype == torch.uint8 and whole.images.shape == (10, 3, SIZE, SIZE)
     expected = [c for image_id in val for c in metadata[image_id]["captions"]]
-    assert eval_set.captions == [c["text"] for c in expected]
-    assert eval_set.sentence_image.tolist() == [row for row in range(10) for _ in range(5)]
+    assert whole.captions == [c["text"] for c in expected]
+    assert whole.pair_image.tolist() == [row for row in range(10) for _ in range(5)]
     for sentence, caption in enumerate(expected):
-        assert torch.equal(eval_set.fragments[eval_set.fragment_sentence == sentence],
+        assert torch.equal(whole.fragments[whole.fragment_pair == sentence],
                            vocab.encode(caption))
-    assert torch.bincount(eval_set.box_image).tolist() == [
+    assert torch.bincount(whole.box_image).tolist() == [
         min(2, len(metadata[i]["boxes"])) for i in val]
-    chunks = list(eval_set.image_batches(4))
-    assert [c.first for c in chunks] == [0, 4, 8]
-    assert torch.equal(torch.cat([c.images for c in chunks]), eval_set.pixels.float() / 255)
-    assert torch.equal(torch.cat([c.boxes for c in chunks]), eval_set.boxes)
-    assert torch.equal(torch.cat([c.box_image + c.first for c in chunks]), eval_set.box_image)
-    small = load_eval_set(cfg, vocab, split="train", max_images=3)
-    assert (small.num_images, small.num_sentences) == (3, 15)
+    two_workers, _ = eval_batches(make_config(shards, {"max_boxes": 2, "workers": 2}), vocab)
+    assert sorted(two_workers.image_ids) == val  # another order, the same images
+    small, _ = eval_batches(cfg, vocab, split="train", max_images=3)
+    assert (len(small.image_ids), len(small.captions)) == (3, 15)
     # The owners are what trainer.evaluate takes: image fragments by image, sentence fragments
     # by sentence.
-    v = torch.randn(len(eval_set.boxes), 8)
-    s = torch.randn(len(eval_set.fragments), 8)
-    scores = score_matrix(v, eval_set.box_image, s, eval_set.fragment_sentence, 10, 50)
+    v = torch.randn(len(whole.boxes), 8)
+    s = torch.randn(len(whole.fragments), 8)
+    scores = score_matrix(v, whole.box_image, s, whole.fragment_pair, 10, 50)
     assert scores.shape == (10, 50)
-    assert 0 <= retrieval_metrics(scores, eval_set.sentence_image)["rsum"] <= 600
+    assert 0 <= retrieval_metrics(scores, whole.pair_image)["rsum"] <= 600
 
 
 def test_an_undecodable_image_is_skipped_with_a_warning(
@@ -242,21 +255,20 @@ def test_an_undecodable_image_is_skipped_with_a_warning(
     shard = copy / "train/shard-000000.tar"
     rewrite_shard(shard, corrupt)
     rewrite_shard(copy / "val/shard-000000.tar", lambda s: {**s, "png": b"not an image"})
-    cfg = make_config(copy)
+    cfg = make_config(copy, {"verify_shards": "none"})  # damage that keeps the tar readable
     loader, steps = make_train_loader(cfg, vocab, batch_size=10)
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.reader"):
         seen = Counter(pair for batch in loader for pair in batch_pairs(batch))
     assert seen.total() == steps * 10 == 200
     assert len(seen) == 195 and all(image_id != bad_key for image_id, _ in seen)
-    assert len(loader.skipped) == 1
-    (skipped,) = loader.skipped
+    (skipped,) = loader.problems
     assert str(shard) in skipped and bad_key in skipped and "cannot decode" in skipped
     assert any(str(shard) in r.getMessage() and bad_key in r.getMessage() for r in caplog.records)
-    eval_set = load_eval_set(cfg, vocab)
-    assert eval_set.num_images == 5 and len(eval_set.skipped) == 5
+    whole, problems = eval_batches(cfg, vocab)
+    assert len(whole.image_ids) == 5 and len(problems) == 5
 
 
-def test_bad_metadata_is_skipped_when_the_loader_is_made(
+def test_bad_metadata_is_skipped_with_its_key(
         shards: Path, vocab: Vocabulary, tmp_path: Path) -> None:
     """Metadata without boxes, or giving another image size than the image's, is named and
     left out (the size before any image is decoded: the boxes would be scaled wrongly)."""
@@ -274,32 +286,28 @@ def test_bad_metadata_is_skipped_when_the_loader_is_made(
 
     shard = copy / "train/shard-000000.tar"
     rewrite_shard(shard, damage)
-    loader, steps = make_train_loader(make_config(copy), vocab, batch_size=10)
+    cfg = make_config(copy, {"verify_shards": "none"})  # damage that keeps the tar readable
+    loader, steps = make_train_loader(cfg, vocab, batch_size=10)
     metadata_error = f"{shard} sample {no_boxes!r}: unusable metadata (KeyError: 'boxes')"
-    assert loader.skipped == {metadata_error}
     seen = Counter(pair for batch in loader for pair in batch_pairs(batch))
     assert seen.total() == steps * 10
     assert {image_id for image_id, _ in seen}.isdisjoint({no_boxes, wrong_size})
-    (size_error,) = loader.skipped - {metadata_error}
+    assert metadata_error in loader.problems and len(loader.problems) == 2
+    (size_error,) = set(loader.problems) - {metadata_error}
     assert wrong_size in size_error and "its metadata (and boxes) say 138 x 128" in size_error
 
 
-def test_damaged_or_missing_shards_are_named(shards: Path, vocab: Vocabulary,
+def test_missing_shards_and_splits_are_named(shards: Path, vocab: Vocabulary,
                                              tmp_path: Path) -> None:
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy, ignore=shutil.ignore_patterns("source"))
-    damaged = copy / "train/shard-000003.tar"
-    damaged.write_bytes(damaged.read_bytes()[:5000])
-    cfg = make_config(copy)
-    with pytest.raises(ShardError, match=f"cannot read shard {damaged}.*re-run the featurizer"):
-        make_train_loader(cfg, vocab, batch_size=10)  # before any training step
     (copy / "val/shard-000001.tar").unlink()
     with pytest.raises(ShardError, match="1 of the 2 shards of split 'val' are missing"):
-        load_eval_set(cfg, vocab)
+        load_eval_set(make_config(copy), vocab)
     with pytest.raises(ValueError, match=r"split 'dev' is not in .* \['train', 'val'\]"):
-        read_split(copy, "dev")
-    with pytest.raises(FileNotFoundError, match="manifest.json"):
-        read_split(tmp_path, "train")
+        locate_split(str(copy), "dev")
+    with pytest.raises(ShardError, match="manifest.json"):
+        locate_split(str(tmp_path), "train")
 
 
 def test_rank_comes_from_torchrun_environment(shards: Path, vocab: Vocabulary,
@@ -342,19 +350,26 @@ def test_ranks_of_a_process_group_split_the_shards(shards: Path, metadata: dict[
 def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabulary,
                                                    metadata: dict[str, dict],
                                                    workers: int) -> None:
-    """pixels=False: the same batches (pairs, boxes, fragments), 1x1 placeholder images."""
+    """Images named in skip_pixels are not decoded: the same batches (pairs, boxes, fragments),
+    zero pixels for those images, 1x1 placeholders when no image of a batch is decoded."""
     cfg = make_config(shards, {"max_boxes": 3, "workers": workers})
     loader, _ = make_train_loader(cfg, vocab, batch_size=12)
     decoded = list(loader)
-    skipped = list(make_train_loader(cfg, vocab, batch_size=12, pixels=False)[0])
-    assert len(decoded) == len(skipped)
-    for full, bare in zip(decoded, skipped, strict=True):
-        assert batch_pairs(full) == batch_pairs(bare)
-        assert bare.images.shape == (len(bare.image_ids), 3, 1, 1)
-        for name in ("boxes", "box_image", "fragments", "fragment_pair", "image_key"):
-            assert torch.equal(getattr(full, name), getattr(bare, name)), name
-    assert loader.image_ids() == {m["image_id"] for m in metadata.values()
-                                  if m["split"] == "train"}
+    train_ids = {m["image_id"] for m in metadata.values() if m["split"] == "train"}
+    some = set(sorted(train_ids)[::2])
+    for skip in (train_ids, some):
+        loader.set_epoch(0, skip_pixels=frozenset(skip))
+        for full, bare in zip(decoded, list(loader), strict=True):
+            assert batch_pairs(full) == batch_pairs(bare)
+            for name in ("boxes", "box_image", "fragments", "fragment_pair", "image_key"):
+                assert torch.equal(getattr(full, name), getattr(bare, name)), name
+            for row, image_id in enumerate(bare.image_ids):
+                if image_id in skip:
+                    assert not bare.images[row].any()
+                else:
+                    assert torch.equal(bare.images[row], full.images[row])
+            if skip is train_ids:
+                assert bare.images.shape == (len(bare.image_ids), 3, 1, 1)
 
 
 def test_a_resumed_epoch_skips_its_first_batches_in_the_same_order(

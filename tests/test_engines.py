@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.batch import collate
 from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.data import collate, read_images
 from trainer.distributed import DistContext, end_process
 from trainer.model import DeFragModel
+from trainer.reader import SampleDecoder, read_images
+from trainer.shardset import locate_split
 from trainer.tracking import Tracker
 from trainer.train import Trainer
 from trainer.vocab import Vocabulary
@@ -42,7 +44,8 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
                     epoch: int) -> list[torch.Tensor]:
     """The model's parameters after one trainer step on `pair_ids` (seeded init)."""
     vocab = Vocabulary.load(f"{cfg.data.shards}/vocab.json")
-    images = list(read_images([f"{cfg.data.shards}/train/shard-000000.tar"], cfg, vocab, []))
+    first_shard = locate_split(cfg.data.shards, "train").shards[:1]
+    images = list(read_images(first_shard, SampleDecoder.from_config(cfg, vocab)))
     batch = collate([images[i].pairs()[c] for i, c in pair_ids])
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
     trainer = Trainer(cfg, ctx, model, vocab, Tracker(None, None, None), TrainState())

@@ -22,7 +22,7 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.config import Config, DataConfig, ModelConfig
-from trainer.data import load_eval_set
+from trainer.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, score_matrix
 from trainer.model import DeFragModel
 from trainer.pictures import best_boxes, fragment_labels
@@ -106,11 +106,10 @@ def info_logs(caplog: pytest.LogCaptureFixture) -> None:
 def test_queries_score_like_the_evaluation(world: World, images: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     model, cfg, vocab = load_model_folder(world.model_dir)
-    eval_set = load_eval_set(cfg, vocab, "val")
-    assert eval_set.captions == world.captions
-    v, v_image, s, s_sentence = embed_eval_set(model, eval_set)
-    scores = score_matrix(v, v_image, s, s_sentence, eval_set.num_images,
-                          eval_set.num_sentences, cfg.objective.smooth)
+    embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+    assert embedded.captions == world.captions
+    scores = score_matrix(embedded.v, embedded.v_image, embedded.s, embedded.s_sentence,
+                          embedded.num_images, embedded.num_sentences, cfg.objective.smooth)
 
     report = run(capsys, "--model", world.model_dir, "--images", images, "--sentences",
                  world.sentences, "--query", world.captions[6], "--query-image",

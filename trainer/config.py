@@ -75,11 +75,20 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """The featurizer's shards and how they are streamed (trainer/data.py)."""
+    """The featurizer's shards and how they are streamed (trainer/shardset.py, reader.py,
+    train_loader.py)."""
 
-    shards: str | None = None  # featurizer output folder: manifest.json, vocab.json, <split>/
+    # Where the featurized set lives (trainer/shardset.py): a featurizer output folder, its
+    # http(s):// URL, or a WebDataset shard list of the training split (braces, "::", pipe:).
+    shards: str | None = None
+    val_shards: str | None = None  # a shard list of the val split; None: from `shards`
+    manifest: str | None = None  # manifest.json path or URL; None: in (or above) `shards`
+    vocab: str | None = None  # vocab.json path or URL; None: beside the manifest
     train_split: str = "train"
     val_split: str = "val"  # split validated every epoch; Flickr8k/30k call theirs "dev"
+    verify_shards: str = "local"  # sha256 against the manifest before first use: local | all | none
+    io_timeout: float = 60.0  # seconds a remote read may stall before it is retried
+    io_retries: int = 3  # retries of a failed remote shard read, from where it broke
     workers: int = 2  # loader processes per rank (decode + resize); 0: in the training process
     shuffle_buffer: int = 1000  # pairs each rank shuffles in (0: the order they are read)
     resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
@@ -95,6 +104,8 @@ class EvalConfig:
     chunk_images: int = 64  # image rows per block of the chunked score matrix
     chunk_sentences: int = 512  # sentence columns per block
     hodosh: bool = False  # also report the first-sentence-per-image protocol
+    image_batch: int = 32  # images per CNN pass
+    allow_incomplete: bool = False  # evaluate a split with fewer usable images than its manifest
 
 
 @dataclass

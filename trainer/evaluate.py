@@ -9,21 +9,24 @@ convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh 
 from __future__ import annotations
 
 import argparse
-import glob
+import dataclasses
 import json
 import math
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from braceexpand import braceexpand
+import torch.distributed as dist
+import webdataset as wds
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.data import EvalSet, eval_set_from_shards, read_split
+from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
 from trainer.features import FeatureCache
 from trainer.model import DeFragModel
+from trainer.reader import DataProblem
 from trainer.registry import load_model_folder
+from trainer.shardset import SHARD_NAME, is_folder
 
 RECALL_AT = (1, 5, 10)
 
@@ -127,44 +130,113 @@ def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owne
     return scores.mul_(image_norm[:, None]).mul_(sentence_norm)
 
 
+@dataclass
+class Embedded:
+    """Fragment embeddings of an eval set (on the CPU), rows grouped by image and sentence."""
+
+    v: torch.Tensor  # float [N_box, d]
+    v_image: torch.Tensor  # long [N_box]: image row of each image fragment
+    s: torch.Tensor  # float [Ns, d]
+    s_sentence: torch.Tensor  # long [Ns]: sentence row of each sentence fragment
+    sentence_image: torch.Tensor  # long [N_sent]: image row of each sentence
+    image_ids: list[str]
+    captions: list[str]
+    problems: list[DataProblem]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_ids)
+
+    @property
+    def num_sentences(self) -> int:
+        return len(self.captions)
+
+    @staticmethod
+    def concat(parts: list[Embedded]) -> Embedded:
+        """The images and sentences of `parts` one after the other (rows renumbered)."""
+        v_image, s_sentence, sentence_image = [], [], []
+        images = sentences = 0
+        for part in parts:
+            v_image.append(part.v_image + images)
+            s_sentence.append(part.s_sentence + sentences)
+            sentence_image.append(part.sentence_image + images)
+            images, sentences = images + part.num_images, sentences + part.num_sentences
+        return Embedded(torch.cat([part.v for part in parts]), torch.cat(v_image),
+                        torch.cat([part.s for part in parts]), torch.cat(s_sentence),
+                        torch.cat(sentence_image),
+                        [item for part in parts for item in part.image_ids],
+                        [item for part in parts for item in part.captions],
+                        [problem for part in parts for problem in part.problems])
+
+
 @torch.no_grad()
 def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device | str = "cpu",
-                   image_batch: int = 32,
-                   cache: FeatureCache | None = None) -> tuple[torch.Tensor, ...]:
-    """Fragment embeddings of a whole eval set: (v, v_image, s, s_sentence), on the CPU.
+                   image_batch: int = 32, cache: FeatureCache | None = None,
+                   progress: bool = False) -> Embedded:
+    """This rank's share of an eval set, streamed and embedded `image_batch` images at a time.
 
     With a `cache` (the CNN is frozen), box features come from it and the CNN runs once."""
     was_training = model.training
     model.eval()
-    v, v_image = [], []
-    for chunk in eval_set.image_batches(image_batch, device):
-        if cache is None:
-            features = model.image.region_features(chunk.images, chunk.boxes, chunk.box_image)
-        else:
-            ids = eval_set.image_ids[chunk.first:chunk.first + len(chunk.images)]
-            features = cache.lookup(model, chunk.images, chunk.boxes, chunk.box_image, ids)
-        v.append(model.image.project(features, chunk.box_image).float().cpu())
-        v_image.append(chunk.box_image.cpu() + chunk.first)
-    s = model.sentence(eval_set.fragments.to(device),
-                       eval_set.fragment_sentence.to(device)).float().cpu()
+    parts = []
+    with tqdm(total=eval_set.expected_images, desc=f"embed {eval_set.split.name}", unit="img",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for batch in eval_set.batches(image_batch):
+            batch = batch.to(device)
+            if cache is None:
+                features = model.image.region_features(batch.images, batch.boxes,
+                                                       batch.box_image)
+            else:
+                features = cache.lookup(model, batch.images, batch.boxes, batch.box_image,
+                                        batch.image_ids)
+            v = model.image.project(features, batch.box_image).float().cpu()
+            s = model.sentence(batch.fragments, batch.fragment_pair).float().cpu()
+            parts.append(Embedded(v, batch.box_image.cpu(), s, batch.fragment_pair.cpu(),
+                                  batch.pair_image.cpu(), batch.image_ids, batch.captions, []))
+            bar.update(len(batch.image_ids))
     model.train(was_training)
-    return torch.cat(v), torch.cat(v_image), s, eval_set.fragment_sentence
+    dim = model.image.projection.out_features
+    empty = torch.zeros(0, dim)
+    none = torch.zeros(0, dtype=torch.long)
+    result = Embedded.concat([Embedded(empty, none, empty, none, none, [], [], []), *parts])
+    result.problems = list(eval_set.problems)
+    return result
+
+
+def gather_embedded(part: Embedded) -> Embedded | None:
+    """Every rank's embeddings on rank 0, in rank order (None on the other ranks); `part`
+    itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return part
+    parts: list[Embedded] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return Embedded.concat(parts) if parts is not None else None
 
 
 def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
                    device: torch.device | str = "cpu", progress: bool = False,
-                   cache: FeatureCache | None = None) -> dict[str, float]:
-    """retrieval_metrics of `model` on `eval_set` (plus hodosh_* keys when cfg.eval.hodosh);
+                   cache: FeatureCache | None = None) -> tuple[dict[str, float], str] | None:
+    """retrieval_metrics of `model` on `eval_set` (plus hodosh_* keys when cfg.eval.hodosh),
+    and a line saying what was evaluated out of what; every rank embeds its share, rank 0 scores
+    (the other ranks get None). IncompleteSplit when images are missing (eval.allow_incomplete).
     `cache`: the frozen CNN's features (see embed_eval_set)."""
-    v, v_image, s, s_sentence = embed_eval_set(model, eval_set, device, cache=cache)
-    scores = score_matrix(v, v_image, s, s_sentence, eval_set.num_images,
-                          eval_set.num_sentences, cfg.objective.smooth, cfg.eval.chunk_images,
-                          cfg.eval.chunk_sentences, progress=progress)
-    metrics = retrieval_metrics(scores, eval_set.sentence_image)
+    embedded = gather_embedded(embed_eval_set(model, eval_set, device, cfg.eval.image_batch,
+                                              cache, progress))
+    if embedded is None:
+        return None
+    line = check_complete(eval_set.split, embedded.num_images, embedded.num_sentences,
+                          embedded.problems,
+                          cfg.eval.allow_incomplete or eval_set.max_images is not None)
+    if embedded.num_sentences == 0:
+        raise IncompleteSplit(f"no usable image in split {eval_set.split.name!r}: {line}")
+    scores = score_matrix(embedded.v, embedded.v_image, embedded.s, embedded.s_sentence,
+                          embedded.num_images, embedded.num_sentences, cfg.objective.smooth,
+                          cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress)
+    metrics = retrieval_metrics(scores, embedded.sentence_image)
     if cfg.eval.hodosh:
-        hodosh = hodosh_metrics(scores, eval_set.sentence_image)
+        hodosh = hodosh_metrics(scores, embedded.sentence_image)
         metrics.update({f"hodosh_{key}": value for key, value in hodosh.items()})
-    return metrics
+    return metrics, line
 
 
 def _group_by_owner(x: torch.Tensor, owner: torch.Tensor,
@@ -219,43 +291,49 @@ def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners
                          f"{int(owner.min())} to {int(owner.max())}")
 
 
-def shard_files(pattern: str, split: str | None) -> list[str]:
-    """Shard paths from a featurizer output folder (+ split), a brace pattern or a glob."""
-    if Path(pattern).is_dir():
-        if split is None:
-            raise ValueError(f"{pattern} is a featurizer output folder: also pass --split")
-        return read_split(pattern, split).urls
-    files = sorted({path for expanded in braceexpand(pattern) for path in glob.glob(expanded)})
-    if not files:
-        raise FileNotFoundError(f"--shards {pattern!r} matches no file")
-    return files
-
-
 def main(argv: list[str] | None = None) -> None:
-    """`python -m trainer.evaluate --model DIR --shards PATTERN`: metrics, last line JSON."""
+    """`python -m trainer.evaluate --model DIR --shards SHARDS`: metrics, last line JSON."""
     parser = argparse.ArgumentParser(prog="trainer.evaluate", description=main.__doc__)
     parser.add_argument("--model", required=True, help="a registered model folder")
     parser.add_argument("--shards", required=True,
-                        help="featurizer output folder (with --split), or a shard pattern such "
-                             "as 'data/test/shard-{000000..000004}.tar'")
-    parser.add_argument("--split", help="split of a featurizer output folder")
+                        help="featurizer output folder or its http(s) URL (with --split), or a "
+                             "WebDataset shard list such as 'data/test/shard-{000000..000004}.tar'"
+                             " or 'pipe:aws s3 cp s3://bucket/f8k/test/shard-{000000..000004}.tar"
+                             " -' (with --manifest when it cannot be found two folders up)")
+    parser.add_argument("--split", help="split of the featurized set (default: the one the "
+                                        "shard list belongs to, else 'test')")
+    parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
     parser.add_argument("--max-images", type=int, help="only the first N images")
+    parser.add_argument("--workers", type=int, default=2, help="loader processes")
+    parser.add_argument("--allow-incomplete", action="store_true",
+                        help="evaluate even when usable images differ from the manifest's count")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
     model, cfg, vocab = load_model_folder(args.model)
     model.to(args.device)
-    urls = shard_files(args.shards, args.split)
-    eval_set = eval_set_from_shards(urls, cfg, vocab, args.shards, args.max_images)
-    metrics = evaluate_model(model, eval_set, cfg, args.device, progress=True)
-    chance = {k: 100.0 * min(k, eval_set.num_images) / eval_set.num_images for k in RECALL_AT}
-    print(f"{eval_set.num_images} images, {eval_set.num_sentences} sentences "
-          f"({len(eval_set.skipped)} skipped) from {len(urls)} shard(s)")
+    cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
+                                   manifest=args.manifest, workers=args.workers)
+    cfg.eval.allow_incomplete = args.allow_incomplete
+    split = args.split or _split_of_list(args.shards, args.manifest)
+    eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+    metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
+    count = len(set(eval_set.split.urls))
+    chance = {k: 100.0 * min(k, eval_set.split.images) / eval_set.split.images for k in RECALL_AT}
+    print(f"evaluated {line} from {count} shard(s)")
     for direction, name in (("i2t", "image annotation"), ("t2i", "image search")):
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
                            for k in RECALL_AT)
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
-    print(json.dumps({"model": args.model, "shards": args.shards, **metrics}))
+    print(json.dumps({"model": args.model, "shards": args.shards, "split": split, **metrics}))
+
+
+def _split_of_list(shards: str, manifest: str | None) -> str:
+    """The split a shard list belongs to (its first shard's folder name); 'test' for a folder."""
+    if is_folder(shards):
+        return "test"
+    match = SHARD_NAME.findall(wds.shardlists.expand_urls(shards)[0])
+    return match[-1].split("/")[0] if match else "test"
 
 
 if __name__ == "__main__":

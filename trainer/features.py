@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainer.config import Config
-from trainer.data import MANIFEST
 from trainer.model import DeFragModel
+from trainer.shardset import training_manifest
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def shards_fingerprint(cfg: Config) -> str | None:
     re-featurized shards (other boxes) get new features, a moved folder keeps its cache."""
     if not cfg.data.shards:
         return None
-    manifest = json.loads((Path(cfg.data.shards) / MANIFEST).read_text())
+    manifest = training_manifest(cfg.data)
     digests = sorted(shard["sha256"] for split in (cfg.data.train_split, cfg.data.val_split)
                      for shard in manifest["splits"].get(split, {}).get("shards", []))
     return hashlib.sha256(" ".join(digests).encode()).hexdigest()

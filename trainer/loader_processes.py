@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Semaphore
+from typing import Any
 
 import numpy as np
 
-Chunk = tuple[list, Sequence[np.ndarray], list[str]]  # (rows, pixels of each row, skipped)
+Chunk = tuple[list, Sequence[np.ndarray | None], Any]  # (rows, pixels of each row or None, notes)
 ChunkSource = Callable[[int, int], Iterator[Chunk]]  # (process, processes) -> its chunks
 
 
@@ -52,14 +53,15 @@ def _serve(source: ChunkSource, process: int, processes: int, ring: np.ndarray,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the training process, which
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then terminates its loader processes
     try:
-        for number, (rows, pixels, skipped) in enumerate(source(process, processes)):
+        for number, (rows, pixels, notes) in enumerate(source(process, processes)):
             slot = number % len(ring)
             while not free_slots.acquire(timeout=5.0):
                 if os.getppid() != parent:  # the training process died: nobody reads
                     return
             for row, image in enumerate(pixels):
-                ring[slot, row] = image
-            connection.send((slot, rows, skipped))
+                if image is not None:
+                    ring[slot, row] = image
+            connection.send((slot, rows, [image is not None for image in pixels], notes))
         connection.send(None)
     except BaseException as err:  # noqa: BLE001 - reported to the training process, re-raised
         where = traceback.format_exc()
@@ -101,10 +103,11 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
                 if message is None:
                     running.remove(process)
                     continue
-                slot, rows, skipped = message
-                pixels = ring[slot, :len(rows)].copy()
+                slot, rows, present, notes = message
+                block = ring[slot, :len(rows)].copy()
                 free_slots.release()
-                yield rows, pixels, skipped
+                pixels = [row if here else None for row, here in zip(block, present, strict=True)]
+                yield rows, pixels, notes
     finally:
         for process, (child, reader, _, _) in enumerate(children):
             if process in running:  # stopped early, or failed: nothing more is wanted

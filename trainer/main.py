@@ -20,9 +20,9 @@ from trainer.config import Config
 from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
 from trainer.preemption import Preempted
+from trainer.shardset import load_vocabulary
 from trainer.tracking import Tracker
 from trainer.train import Trainer
-from trainer.vocab import Vocabulary
 
 log = logging.getLogger("trainer")
 
@@ -54,7 +54,7 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_partial(run_dir)
-    vocab = Vocabulary.load(Path(cfg.data.shards) / "vocab.json")
+    vocab = load_vocabulary(cfg.data)
     model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed).to(ctx.device)
     checkpoint = find_checkpoint(resume, run_dir)
     state = load_state(checkpoint) if checkpoint else TrainState()

@@ -92,13 +92,13 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
 def training_featurizer(config: Config) -> dict[str, Any] | None:
     """The parser and box source of the shards a model was trained on, from their manifest
     (None when the manifest is not on this machine)."""
-    from trainer.data import MANIFEST
+    from trainer.shardset import ShardError, training_manifest
 
     if config.data.shards is None:
         return None
     try:
-        manifest = json.loads((Path(config.data.shards) / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = training_manifest(config.data)
+    except (ShardError, ValueError):
         return None
     return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
 

@@ -5,7 +5,7 @@
 
 New inputs take the training code path: an image is read and checked like the featurizer reads
 it (`featurizer.images.load_image`), boxed by a featurizer box source, then resized with its boxes
-scaled by `trainer.data.SampleDecoder`, exactly like a shard sample; a sentence is parsed by
+scaled by `trainer.reader.SampleDecoder`, exactly like a shard sample; a sentence is parsed by
 `featurizer.parsing` and encoded with the model's own vocabulary (`Vocabulary.encode`). The box
 source and parser are those of the model's training shards, which the model folder records
 (`featurizer.json`; folders saved before it existed: the shards' manifest, when at hand);
@@ -45,17 +45,12 @@ from featurizer.boxes import BoxSource, rebuild_box_source
 from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
+from trainer.batch import CaptionedImage, owners, unit_float
 from trainer.config import Config
-from trainer.data import (
-    BadSample,
-    CaptionedImage,
-    SampleDecoder,
-    _owners,
-    unit_float,
-)
 from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
 from trainer.pictures import best_boxes, fragment_labels, render_alignment
+from trainer.reader import BadSample, SampleDecoder
 from trainer.registry import CHECKSUMS, FEATURIZER, load_model_folder, training_featurizer
 from trainer.vocab import Vocabulary
 
@@ -105,14 +100,14 @@ class FragmentSet:
         rows = [torch.arange(start[k], start[k + 1]) for k in keep]
         index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         return FragmentSet([self.items[k] for k in keep], self.embeddings[index],
-                           _owners([len(r) for r in rows]), self.detail[index])
+                           owners([len(r) for r in rows]), self.detail[index])
 
     @staticmethod
     def concat(parts: Sequence[FragmentSet]) -> FragmentSet:
         """The items of all `parts` one after the other (at least one part)."""
         return FragmentSet([item for part in parts for item in part.items],
                            torch.cat([part.embeddings for part in parts]),
-                           _owners([n for part in parts for n in part.counts.tolist()]),
+                           owners([n for part in parts for n in part.counts.tolist()]),
                            torch.cat([part.detail for part in parts]))
 
 
@@ -248,7 +243,7 @@ def embed_images(paths: Sequence[Path], recipe: Recipe, skip_bad: bool,
                 bar.update()
             if images:
                 parts.append(FragmentSet(names, _image_fragments(recipe.model, images, device),
-                                         _owners([len(b) for b in boxes]), torch.cat(boxes)))
+                                         owners([len(b) for b in boxes]), torch.cat(boxes)))
     return FragmentSet.concat(parts), problems
 
 
@@ -257,7 +252,7 @@ def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
     """v [N_box, d] of decoded images, as the evaluation embeds an image batch."""
     pixels = torch.from_numpy(np.stack([image.pixels.transpose(2, 0, 1) for image in images]))
     boxes = torch.from_numpy(np.concatenate([image.boxes for image in images]))
-    box_image = _owners([len(image.boxes) for image in images])
+    box_image = owners([len(image.boxes) for image in images])
     v = model.image(unit_float(pixels.to(device)), boxes.to(device), box_image.to(device))
     return v.float().cpu()
 
@@ -277,9 +272,9 @@ def embed_sentences(texts: Sequence[str], recipe: Recipe, device: str = "cpu") -
                         "triplet" if mode == "triplet" else f"{mode} fragment",
                         len(recipe.vocab.words))
     fragments = torch.cat(ids) if ids else torch.zeros(0, 3, dtype=torch.long)
-    owners = _owners([len(f) for f in ids])
-    s = recipe.model.sentence(fragments.to(device), owners.to(device)).float().cpu()
-    return FragmentSet(list(texts), s, owners, fragments)
+    sentence = owners([len(f) for f in ids])
+    s = recipe.model.sentence(fragments.to(device), sentence.to(device)).float().cpu()
+    return FragmentSet(list(texts), s, sentence, fragments)
 
 
 # ---------------------------------------------------------------- the cached index

@@ -20,17 +20,12 @@ import torch.distributed as dist
 from PIL import Image
 from tqdm import tqdm
 
+from trainer.batch import Batch, batches_on_device, unit_float
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.data import (
-    Batch,
-    batches_on_device,
-    load_eval_set,
-    make_train_loader,
-    unit_float,
-)
 from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
 from trainer.engine import build_engine
+from trainer.eval_set import load_eval_set
 from trainer.evaluate import evaluate_model
 from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
@@ -39,6 +34,7 @@ from trainer.pictures import best_boxes, fragment_labels, render_alignment
 from trainer.preemption import acknowledge, stop_requested
 from trainer.registry import save_model_folder
 from trainer.tracking import Tracker
+from trainer.train_loader import make_train_loader
 from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -85,10 +81,9 @@ class Trainer:
                                   cfg.objective.hardest_negative)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
-        # One loader for every epoch: it reads each shard's metadata once.
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
                                                     batch_size=self.per_rank_batch)
-        self.eval_set = load_eval_set(cfg, vocab) if ctx.is_main else None
+        self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
         self.engine = None
         self.engine_finetunes: bool | None = None
         self.nonfinite_streak = 0  # non-finite losses in a row
@@ -123,7 +118,7 @@ class Trainer:
         lr = learning_rate(epoch, self.cfg)
         self.engine.set_lr(lr)
         self.model.train()
-        self.loader.set_epoch(epoch, pixels=not self.features_cover_training_set(epoch))
+        self.loader.set_epoch(epoch, skip_pixels=self.cached_images(epoch))
         steps, done = self.steps, self.state.step_in_epoch
         bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}",
                    disable=not self.ctx.is_main, dynamic_ncols=True)
@@ -149,12 +144,12 @@ class Trainer:
                 self.checkpoint()
         bar.close()
 
-    def features_cover_training_set(self, epoch: int) -> bool:
-        """Whether this frozen-CNN epoch can skip decoding images: this rank's cache holds the
-        features of every training image (from a previous epoch, or the disk cache)."""
+    def cached_images(self, epoch: int) -> frozenset[str]:
+        """Images whose pixels this frozen-CNN epoch need not decode: their features are in this
+        rank's cache (from a previous epoch, or the disk cache)."""
         if self.cache is None or finetunes_cnn(epoch, self.cfg):
-            return False
-        return self.loader.image_ids().issubset(self.cache.features)
+            return frozenset()
+        return frozenset(self.cache.features)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
         """One SGD step on the global batch; returns the global loss terms."""
@@ -228,32 +223,53 @@ class Trainer:
         self.checkpoint()
 
     def validate(self, epoch: int) -> dict[str, float]:
-        """Retrieval metrics of the val split on rank 0; every rank learns the val rsum."""
+        """Retrieval metrics of the val split: every rank embeds its share of the val shards,
+        rank 0 scores them; every rank learns the val rsum."""
         rsum = torch.zeros(1)
+        frozen = self.cache if not self.engine_finetunes else None
+        result = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device,
+                                progress=self.ctx.is_main, cache=frozen)
         metrics: dict[str, float] = {}
-        if self.ctx.is_main:
-            frozen = self.cache if not self.engine_finetunes else None
-            metrics = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device,
-                                     cache=frozen)
+        if result is not None:
+            metrics, line = result
             rsum[0] = metrics["rsum"]
             self.tracker.log_metrics({f"val/{k}": v for k, v in metrics.items()},
                                      step=self.state.global_step)
-            log.info("epoch %d val: %s", epoch,
+            log.info("epoch %d val (%s): %s", epoch, line,
                      " ".join(f"{k}={v:.1f}" for k, v in metrics.items()))
             self.tracker.log_image(self.alignment_picture(), f"alignments/epoch-{epoch:03d}.png")
+        self.log_data_problems()
         if self.ctx.world_size > 1:
             dist.broadcast(rsum, src=0)
         return {**metrics, "rsum": float(rsum[0])}
+
+    def log_data_problems(self) -> None:
+        """Rank 0 logs the distinct data problems every rank's loader met so far: skipped
+        samples and samples lost to damaged shards (metrics, and `data_problems.txt`)."""
+        problems = list(self.loader.problems.values())
+        if self.ctx.world_size > 1:
+            gathered: list[list] = [[] for _ in range(self.ctx.world_size)]
+            dist.all_gather_object(gathered, problems)
+            problems = [problem for part in gathered for problem in part]
+        if not self.ctx.is_main:
+            return
+        self.tracker.log_metrics({
+            "data/skipped_samples": sum(p.kind == "sample" for p in problems),
+            "data/lost_samples": sum(p.lost for p in problems if p.kind == "shard")},
+            step=self.state.global_step)
+        if problems:
+            path = self.run_dir / "data_problems.txt"
+            path.write_text("".join(f"{p.message}\n" for p in problems))
+            self.tracker.log_artifact(path)
 
     @torch.no_grad()
     def alignment_picture(self) -> Image.Image:
         """Paper Figure 4 for the first val image: each fragment of its first caption linked to
         its best box."""
-        data, device = self.eval_set, self.ctx.device
-        boxes = data.boxes[data.box_image == 0]
-        sentence = int((data.sentence_image == 0).nonzero()[0])
-        fragments = data.fragments[data.fragment_sentence == sentence]
-        image = unit_float(data.pixels[:1]).to(device)
+        first, device = self.eval_set.first, self.ctx.device
+        boxes = torch.from_numpy(first.boxes)
+        fragments = torch.from_numpy(first.fragments[0])
+        image = unit_float(torch.from_numpy(first.pixels).permute(2, 0, 1)[None]).to(device)
         was_training = self.model.training
         self.model.eval()
         v = self.model.image(image, boxes.to(device), torch.zeros(len(boxes), dtype=torch.long,
@@ -264,8 +280,7 @@ class Trainer:
         box, score = best_boxes(v, sentence_fragments)
         self.model.train(was_training)
         labels = fragment_labels(fragments, self.vocab, self.cfg.model.fragment_mode)
-        pixels = data.pixels[0].permute(1, 2, 0).numpy()
-        return render_alignment(Image.fromarray(pixels), boxes.tolist(), [data.captions[sentence]],
+        return render_alignment(Image.fromarray(first.pixels), boxes.tolist(), [first.captions[0]],
                                 labels, box.tolist(), score.tolist())
 
     def checkpoint(self) -> None:

@@ -68,10 +68,20 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            text = Path(path).read_bytes()
+        except OSError as err:
             raise ValueError(f"{path}: cannot read the vocabulary ({err})") from err
-        if data.get("format") != VOCAB_FORMAT:
-            raise ValueError(f"{path}: vocabulary format {data.get('format')!r}, "
+        return cls.from_json(text, str(path))
+
+    @classmethod
+    def from_json(cls, text: bytes | str, where: str) -> Vocabulary:
+        """The vocabulary saved as `text` (read from `where`, named in errors)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: cannot read the vocabulary ({err})") from err
+        if not isinstance(data, dict) or data.get("format") != VOCAB_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: vocabulary format {found!r}, "
                              f"this code reads format {VOCAB_FORMAT}")
         return cls(words=list(data["words"]), relations=list(data["relations"]))

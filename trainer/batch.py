@@ -1,0 +1,154 @@
+"""A training batch: B (image, caption) pairs with each distinct image once, and the variable
+numbers of boxes and sentence fragments as flat tensors with owner indices (DESIGN.md section 3).
+
+Images stay uint8 until `Batch.to(device)` makes them float in [0, 1] on the device: the pair
+shuffle puts an image in several batches, and converting it for each on the CPU can cost more
+than decoding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+PLACEHOLDER_PIXELS = np.zeros((1, 1, 3), np.uint8)  # an image whose pixels were not decoded
+
+
+@dataclass
+class CaptionedImage:
+    """One shard sample: the resized image (once decoded), its boxes and its encoded captions."""
+
+    image_id: str
+    image_key: int
+    pixels: np.ndarray  # uint8 [S, S, 3], as decoded
+    boxes: np.ndarray  # float32 [n_box, 4] xyxy in resized pixels; row 0 = the whole image
+    captions: list[str]
+    fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
+    size: tuple[int, int]  # (width, height) of the original image, which the boxes were in
+
+    def pairs(self) -> list[Pair]:
+        return [Pair(self, index) for index in range(len(self.captions))]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One (image, caption) pair: caption number `caption` of `image`."""
+
+    image: CaptionedImage
+    caption: int
+
+
+@dataclass
+class Batch:
+    """B (image, caption) pairs: one rank's share of a training step.
+
+    An image appears once even when several of the pairs share it; the boxes and sentence
+    fragments of all pairs are flat tensors with owner indices.
+    """
+
+    images: Tensor  # [n_img, 3, S, S]: the distinct images, first-seen order; uint8 (0-255)
+    #                 from the loader, float32 in [0, 1] after `to(device)`
+    boxes: Tensor  # float [N_box, 4] xyxy in resized pixels, grouped by image; row 0 = image
+    box_image: Tensor  # long [N_box]: image row of each box
+    pair_image: Tensor  # long [B]: image row of each pair
+    fragments: Tensor  # long [Ns, 3]: (relation, w1, w2) of every caption, pair by pair
+    fragment_pair: Tensor  # long [Ns]: pair of each sentence fragment
+    image_key: Tensor  # long [B]: stable id of each pair's image (equal for one image's pairs)
+    image_ids: list[str]  # [n_img]
+    captions: list[str]  # [B]
+
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked memory, for asynchronous host-to-GPU copies."""
+        return self._map_tensors(Tensor.pin_memory)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on `device`, its images float in [0, 1] there (converted after the copy:
+        uint8 travels, 4x less to copy, and a GPU converts for free)."""
+        moved = self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return dataclasses.replace(moved, images=unit_float(moved.images))
+
+    def _map_tensors(self, fn) -> Batch:
+        return dataclasses.replace(self, **{
+            f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)})
+
+
+def collate(pairs: Sequence[Pair]) -> Batch:
+    """A Batch of `pairs`: each distinct image once, boxes and fragments flattened with owners."""
+    image_row: dict[str, int] = {}
+    images: list[CaptionedImage] = []
+    for pair in pairs:
+        if pair.image.image_id not in image_row:
+            image_row[pair.image.image_id] = len(images)
+            images.append(pair.image)
+    fragments = [pair.image.fragments[pair.caption] for pair in pairs]
+    return Batch(
+        images=torch.from_numpy(stack_pixels(images)),
+        boxes=torch.from_numpy(np.concatenate([image.boxes for image in images])),
+        box_image=owners([len(image.boxes) for image in images]),
+        pair_image=torch.tensor([image_row[pair.image.image_id] for pair in pairs]),
+        fragments=torch.from_numpy(np.concatenate(fragments)),
+        fragment_pair=owners([len(f) for f in fragments]),
+        image_key=torch.tensor([pair.image.image_key for pair in pairs], dtype=torch.long),
+        image_ids=[image.image_id for image in images],
+        captions=[pair.image.captions[pair.caption] for pair in pairs],
+    )
+
+
+def stack_pixels(images: Sequence[CaptionedImage]) -> np.ndarray:
+    """uint8 [n, 3, S, S] of the images; an image left undecoded (its features are cached, see
+    trainer.features) is zeros there, and all of them undecoded give S = 1."""
+    size = max(len(image.pixels) for image in images)
+    pixels = np.zeros((len(images), 3, size, size), np.uint8)
+    for row, image in enumerate(images):
+        if len(image.pixels) == size:
+            pixels[row] = image.pixels.transpose(2, 0, 1)
+    return pixels
+
+
+def batches_on_device(batches: Iterable[Batch], device: torch.device,
+                      prefetch: bool | None = None) -> Iterator[Batch]:
+    """`batches` moved to `device`. With `prefetch` (default: on CUDA) a thread collates the
+    next batch and pins its memory while the current one trains, and the copy to the GPU is
+    asynchronous, as DataLoader's pin_memory thread does; on CPU the collation would only take
+    a core from the step."""
+    if not (device.type == "cuda" if prefetch is None else prefetch):
+        for batch in batches:
+            yield batch.to(device)
+        return
+    source = iter(batches)
+    pin = device.type == "cuda"
+
+    def next_batch() -> Batch | None:
+        batch = next(source, None)
+        return batch.pin_memory() if pin and batch is not None else batch
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="defrag-prefetch")
+    try:
+        pending = pool.submit(next_batch)
+        while (batch := pending.result()) is not None:
+            pending = pool.submit(next_batch)
+            yield batch.to(device, non_blocking=pin)
+    finally:
+        pool.shutdown(wait=True)  # the thread is out of `source` before it is closed
+        if hasattr(source, "close"):  # a generator, e.g. TrainLoader.batches
+            source.close()  # stops the loader processes of an epoch left early
+
+
+def unit_float(images: Tensor) -> Tensor:
+    """uint8 pixels (0-255) as float32 in [0, 1]; float images as they are."""
+    return images.float().div_(255) if images.dtype == torch.uint8 else images
+
+
+def owners(counts: list[int]) -> Tensor:
+    """Owner index of each flat row, owner k holding counts[k] rows (numpy: torch's thread pool
+    makes such small ops slow in a busy training process)."""
+    return torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
+
+

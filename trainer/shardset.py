@@ -1,0 +1,275 @@
+"""Where a featurized set lives: its manifest, its vocabulary and the shard URLs of each split.
+
+`data.shards` (and `--shards` of the command-line tools) is one of:
+
+- a local folder written by `python -m featurizer ... --out FOLDER`;
+- the `http(s)://` URL of such a folder on a web server (`manifest.json` and `vocab.json` are
+  fetched from there, a shard is `<url>/<split>/shard-NNNNNN.tar`);
+- a WebDataset shard list, written as WebDataset users write them: brace ranges, `::`-joined
+  lists, `pipe:` commands (`pipe:aws s3 cp s3://bucket/f8k/train/shard-{000000..000023}.tar -`),
+  with the manifest given by path or URL (`data.manifest`; default: two folders above the first
+  shard when that is a plain path or http URL). Each listed URL must keep the featurizer's
+  `<split>/shard-NNNNNN.tar` name, which ties it to its manifest entry (sample count, sha256).
+
+Every URL is opened by webdataset's `gopen` (local files, `pipe:` commands, its handlers), except
+`http(s)://`, which this module opens with curl itself (as webdataset does) so that a stalled or
+refused transfer ends after `timeout` seconds. Nothing here reads a shard's contents: listing a
+split costs the same for 1k or 100M samples.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import webdataset as wds
+from webdataset.gopen import Pipe
+
+from featurizer.shards import FORMAT_VERSION
+from trainer.config import DataConfig
+from trainer.vocab import Vocabulary
+
+MANIFEST = "manifest.json"  # written by featurizer.pipeline beside the split folders
+VOCAB = "vocab.json"
+SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+\.tar)")  # "<split>/shard-NNNNNN.tar" in a URL
+CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed mid-transfer",
+             22: "HTTP error status (e.g. 404 Not Found)", 28: "timed out",
+             52: "empty reply", 56: "connection reset"}
+
+
+class ShardError(RuntimeError):
+    """A shard or a manifest that cannot be read: missing, unreachable or damaged."""
+
+
+def damaged_shard(url: str, detail: str) -> str:
+    """The one message for a shard that is not what its manifest says."""
+    return (f"shard {url}: {detail}. It is damaged or incomplete: re-run the featurizer command "
+            f"of its manifest (created_by) with the same --out, which rewrites shards that no "
+            f"longer match their checksum, then copy it again wherever it is served from")
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening URLs
+
+
+def is_remote(url: str) -> bool:
+    """Whether `url` is read over a network or a command rather than from a local file."""
+    return url.startswith(("http://", "https://", "pipe:")) or "://" in url.split(" ")[0]
+
+
+def open_url(url: str, timeout: float) -> IO[bytes]:
+    """A binary stream of `url`: a path, `file:`, `pipe:CMD`, `http(s)://` or any scheme
+    webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail."""
+    if url.startswith(("http://", "https://")):
+        seconds = str(max(1, round(timeout)))
+        command = ["curl", "--fail", "--silent", "--show-error", "--location",
+                   "--connect-timeout", seconds, "--speed-limit", "1", "--speed-time", seconds,
+                   url]
+        # 23 and 141: curl stopped because the reader closed the stream early (SIGPIPE)
+        return Pipe(command, mode="rb", bufsize=1 << 20, ignore_status=[23, 141],
+                    timeout=timeout)
+    return wds.gopen(url, "rb", bufsize=1 << 20)
+
+
+def describe_error(err: BaseException) -> str:
+    """An exception of a stream as one line, curl's exit codes in words."""
+    text = f"{type(err).__name__}: {err}"
+    match = re.search(r"\bexit (\d+)", text)
+    if match and "curl" in text and int(match.group(1)) in CURL_EXIT:
+        text = f"curl exit {match.group(1)}, {CURL_EXIT[int(match.group(1))]}"
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_url(url: str, timeout: float = 60.0, retries: int = 3) -> bytes:
+    """The whole content of a small file (manifest, vocabulary) at any URL, retried."""
+    if not is_remote(url):
+        try:
+            return Path(url).read_bytes()
+        except OSError as err:
+            raise ShardError(f"cannot read {url} ({err})") from err
+    for attempt in range(retries + 1):
+        try:
+            with open_url(url, timeout) as stream:
+                return stream.read()
+        except (OSError, ValueError) as err:
+            if attempt == retries:
+                raise ShardError(f"cannot read {url} after {retries + 1} attempts "
+                                 f"({describe_error(err)})") from err
+            time.sleep(min(2.0 ** attempt, 10.0))
+    raise AssertionError("unreachable")
+
+
+def join_url(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}"
+
+
+def parent(url: str) -> str:
+    """The folder of a path or URL ("." for a bare name)."""
+    return posixpath.dirname(url.rstrip("/")) or "."
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard of a split: where to read it and what its manifest promises."""
+
+    url: str
+    samples: int  # images the featurizer wrote into it
+    sha256: str | None
+
+    @property
+    def local(self) -> bool:
+        return not is_remote(self.url)
+
+
+@dataclass
+class SplitShards:
+    """The shards of one split (manifest order) and the split's counts."""
+
+    name: str
+    shards: list[Shard]
+    images: int
+    captions: int  # = (image, caption) pairs
+    manifest_url: str
+
+    @property
+    def urls(self) -> list[str]:
+        return [shard.url for shard in self.shards]
+
+
+def is_folder(spec: str) -> bool:
+    """A featurizer output folder (local or http) rather than a shard list."""
+    if spec.startswith("pipe:") or "::" in spec or "{" in spec or spec.endswith(".tar"):
+        return False
+    return spec.startswith(("http://", "https://")) or Path(spec).is_dir()
+
+
+def manifest_url(spec: str, manifest: str | None = None) -> str:
+    """The manifest of `spec`: given, inside a folder, or two folders above a listed shard."""
+    if manifest:
+        return manifest
+    if is_folder(spec):
+        return join_url(spec, MANIFEST)
+    first = wds.shardlists.expand_urls(spec)[0]
+    if first.startswith("pipe:"):
+        raise ValueError(f"shard list {spec!r}: with pipe: commands give the manifest's path or "
+                         f"URL too (data.manifest, or --manifest)")
+    return join_url(parent(parent(first)), MANIFEST)
+
+
+def read_manifest(url: str, timeout: float = 60.0, retries: int = 3) -> dict[str, Any]:
+    """The manifest at `url`, checked to be one this code reads."""
+    try:
+        manifest = json.loads(read_url(url, timeout, retries))
+    except (ShardError, ValueError) as err:
+        raise ShardError(f"cannot read the manifest {url} ({err}): data.shards must be the "
+                         f"output folder of `python -m featurizer ...` or a shard list with "
+                         f"data.manifest") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ShardError(f"{url}: shard format {found!r}, this code reads format "
+                         f"{FORMAT_VERSION}; re-run the featurizer")
+    return manifest
+
+
+def locate_split(spec: str | None, split: str, manifest: str | None = None,
+                 timeout: float = 60.0, retries: int = 3) -> SplitShards:
+    """The shards of `split` from a folder, a folder URL or a shard list (see the module doc);
+    local shards are checked to exist (a stat each, no read)."""
+    if not spec:
+        raise ValueError("data.shards is not set: point it at the output folder of "
+                         "`python -m featurizer ...` (a path or an http(s) URL) or at a shard list")
+    where = manifest_url(spec, manifest)
+    entries = read_manifest(where, timeout, retries)
+    splits = entries.get("splits", {})
+    if split not in splits:
+        raise ValueError(f"split {split!r} is not in {where}, which has {sorted(splits)}; set "
+                         f"data.train_split / data.val_split (or --split)")
+    listed = {entry["file"]: entry for entry in splits[split]["shards"]}
+    if is_folder(spec):
+        base = spec
+        chosen = [(join_url(base, file), entry) for file, entry in listed.items()]
+    else:
+        chosen = _listed_shards(spec, split, listed, splits, where)
+    shards = [Shard(url, int(entry["samples"]), entry.get("sha256")) for url, entry in chosen]
+    if not shards:
+        raise ValueError(f"split {split!r} of {where} has no shards")
+    missing = [shard.url for shard in shards
+               if shard.local and not Path(shard.url).is_file()]
+    if missing:
+        raise ShardError(f"{len(missing)} of the {len(shards)} shards of split {split!r} are "
+                         f"missing, e.g. {missing[:3]}: re-run the featurizer command of "
+                         f"{where} (created_by) with the same --out to rewrite them")
+    images, captions = _counts(splits[split], [entry for _, entry in chosen], where, spec)
+    return SplitShards(split, shards, images, captions, where)
+
+
+def _listed_shards(spec: str, split: str, listed: dict[str, dict], splits: dict,
+                   where: str) -> list[tuple[str, dict]]:
+    """The URLs of a shard list that belong to `split`, each with its manifest entry."""
+    known = {entry["file"] for entries in splits.values() for entry in entries["shards"]}
+    chosen = []
+    for url in wds.shardlists.expand_urls(spec):
+        names = [name for name in SHARD_NAME.findall(url) if name in known]
+        if not names:
+            raise ValueError(f"shard {url} is not in the manifest {where}: a listed shard must "
+                             f"keep the featurizer's <split>/shard-NNNNNN.tar name")
+        if names[-1] in listed:
+            chosen.append((url, listed[names[-1]]))
+    if not chosen:
+        raise ValueError(f"the shard list {spec!r} holds no shard of split {split!r}: give that "
+                         f"split its own list (data.val_shards for validation)")
+    return chosen
+
+
+def _counts(entry: dict, chosen: list[dict], where: str, spec: str) -> tuple[int, int]:
+    """(images, captions) of the chosen shards of a split: the split's totals when all of them
+    are chosen, else the sums of the shards' own counts."""
+    if len(chosen) == len(entry["shards"]):
+        return int(entry["images"]), int(entry["captions"])
+    if any("captions" not in shard for shard in chosen):
+        raise ValueError(f"{spec!r} lists {len(chosen)} of the {len(entry['shards'])} shards of "
+                         f"a split, and {where} has no per-shard caption counts: list them all, "
+                         f"or re-run the featurizer to write them")
+    return (sum(int(shard["samples"]) for shard in chosen),
+            sum(int(shard["captions"]) for shard in chosen))
+
+
+def vocab_url(spec: str, manifest: str | None = None, vocab: str | None = None) -> str:
+    """The vocabulary of a set: given, else beside its manifest."""
+    if vocab:
+        return vocab
+    return join_url(parent(manifest_url(spec, manifest)), VOCAB)
+
+
+
+def train_split(data: DataConfig) -> SplitShards:
+    """The training split of data.shards."""
+    return locate_split(data.shards, data.train_split, data.manifest, data.io_timeout,
+                        data.io_retries)
+
+
+def val_split(data: DataConfig, split: str | None = None) -> SplitShards:
+    """The validation split (or `split`): from data.val_shards when given, else data.shards."""
+    return locate_split(data.val_shards or data.shards, split or data.val_split, data.manifest,
+                        data.io_timeout, data.io_retries)
+
+
+def load_vocabulary(data: DataConfig) -> Vocabulary:
+    """The vocabulary of the training shards (data.vocab, else beside the manifest)."""
+    url = vocab_url(data.shards, data.manifest, data.vocab)
+    return Vocabulary.from_json(read_url(url, data.io_timeout, data.io_retries), url)
+
+
+def training_manifest(data: DataConfig) -> dict[str, Any]:
+    """The manifest of the training shards."""
+    return read_manifest(manifest_url(data.shards, data.manifest), data.io_timeout,
+                         data.io_retries)
