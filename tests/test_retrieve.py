@@ -120,7 +120,7 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
     expected = dict(zip(world.names, scores[:, 6].tolist(), strict=True))
     assert got == pytest.approx(expected, abs=1e-5)
     assert [r["score"] for r in by_image["results"]] == sorted(got.values(), reverse=True)
-    assert by_image["fragments"] == int((s_sentence == 6).sum())
+    assert by_image["fragments"] == int((embedded.s_sentence == 6).sum())
 
     best = torch.argsort(scores[1], descending=True, stable=True)[:NUM_VAL].tolist()
     assert [r["line"] for r in by_sentence["results"]] == [j + 1 for j in best]
