@@ -1,63 +1,84 @@
-"""Training loader throughput against plain decoding of the same images (target: the loader at
-least 80% of plain decode throughput per loader process).
+"""The streaming data path: loader throughput against plain decoding of the same images (target:
+a loader process at least 90% of plain decode + resize), from local files and from a web server,
+and a rank's start-up time and memory as the training set grows (target: flat).
 
-(a) the loader: trainer.data.TrainLoader in exact-epoch mode with --workers loader processes,
-    timed from the start of an epoch to its last collated Batch (process start-up included);
-    reading the split's metadata (tar headers, JSON, caption encoding), which the loader does
-    once when it is made, is timed and reported on its own;
-    pairs/s and images/s (distinct images in the epoch's batches) as the training loop gets them
-    (images uint8: their float conversion happens in Batch.to(device), on the device).
+(a) the loader: trainer.train_loader.TrainLoader in exact-epoch mode with --workers loader
+    processes, timed from the start of an epoch to its last collated Batch (process start-up,
+    shard streaming, tar parsing, JSON, caption encoding, decoding and the hand-over included);
+    images/s as the training loop gets them, and the CPU time the training process spends per
+    image (receiving, pairing, shuffling, collating).
 (b) plain decoding: the same image bytes, read from the shards into memory first, decoded one
-    after another in this process by trainer.data.decode_image (PIL open, convert to RGB, resize
-    to --image-size: exactly the loader's decode), images/s.
-ratio = loader images/s / (workers x plain images/s).
+    after another in this process by trainer.reader.decode_image (PIL open, draft, convert to
+    RGB, resize to --image-size: exactly the loader's decode), images/s.
+ratio = loader images/s / (workers x plain images/s); cpu ratio = plain CPU per image / loader-
+process CPU per image (the ratio a loader process reaches on a core of its own). (a) and (b)
+alternate --repeats times and the medians are reported: this VM's speed drifts by 20% within
+seconds.
 
-(a) and (b) alternate, one epoch and one pass over the same images at a time, --repeats times, and
-the ratios are the medians of each repeat's: this VM's speed drifts by 20% within seconds, so
-timing all of (b) first and all of (a) after measured the drift as much as the loader.
+With --http the same loader epochs also run from `python -m http.server` serving the shards'
+folder on 127.0.0.1 (curl streams each shard), alternating with the same plain passes.
 
-Wall-clock rates depend on what else the machine runs, so CPU time per image is reported too:
-of plain decoding, of the loader processes (their whole life, from the kernel's accounting of
-finished children) and of the training process (collation). cpu ratio = plain CPU per image /
-loader-process CPU per image: the ratio a loader process reaches on a core of its own.
+Shards: --shards SPEC (a featurizer output folder), else Flickr-sized synthetic JPEGs generated
+into a temporary folder (--synthetic-images scenes at 500 x 375, JPEG quality 90, whole-image
+boxes, spaCy parses).
 
-Shards: --shards DIR (a featurizer output folder, e.g. Flickr8k's), else synthetic shards
-generated into a temporary folder (PNG scenes of --synthetic-size pixels, spaCy parses: about
-half a minute). The cheaper an image is to decode, the more the loader's fixed per-image work
-(reading the bytes, handing the pixels over) weighs in the ratio.
+--startup 1000,10000,100000: for each size, a training split of that many tiny samples is written
+(tar + manifest, no featurizer: the same 1 KB JPEG and caption in each), then a fresh process
+makes a TrainLoader and draws its first batch; its wall time and peak resident memory are
+reported. Streaming reads no shard before the first batch, so both must stay flat.
 
-    python benchmarks/bench_data.py [--shards DIR] [--split train] [--workers 1]
-        [--batch-size 100] [--image-size 224] [--repeats 3] [--synthetic-size 128]
+    python benchmarks/bench_data.py [--shards DIR] [--workers 1] [--image-size 224]
+        [--repeats 3] [--http] [--startup 1000,10000,100000]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import webdataset as wds
+from PIL import Image
 
 from featurizer.pipeline import Settings, featurize
+from featurizer.shards import FORMAT_VERSION
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.config import Config
-from trainer.data import TrainLoader, decode_image, read_split
+from trainer.reader import decode_image
+from trainer.shardset import load_vocabulary, locate_split
+from trainer.train_loader import TrainLoader
 from trainer.vocab import Vocabulary
 
-TARGET = 0.8
+TARGET = 0.9
+FLICKR_SIZE = (500, 375)
 
 
-def synthetic_shards(out: Path, images: int, size: int) -> Path:
-    jsonl = generate(out / "source", images, 0, seed=0, image_size=size)
+def synthetic_jpeg_shards(out: Path, images: int) -> Path:
+    """Flickr-sized JPEG scenes, featurized with whole-image boxes."""
+    jsonl = generate(out / "source", images, 0, seed=0, image_size=FLICKR_SIZE[0])
+    lines = []
+    for line in jsonl.read_text().splitlines():
+        record = json.loads(line)
+        png = jsonl.parent / record["image"]
+        jpg = png.with_suffix(".jpg")
+        Image.open(png).convert("RGB").resize(FLICKR_SIZE).save(jpg, quality=90)
+        png.unlink()
+        lines.append(json.dumps({**record, "image": str(jpg.relative_to(jsonl.parent)),
+                                 "boxes": None}))
+    jsonl.write_text("\n".join(lines) + "\n")
     featurize(read_jsonl(jsonl, jsonl.parent, "train"),
-              Settings(out=out, parser="spacy", boxes="given", shard_size=max(1, images // 8),
-                       workers=1, splits=["train"]))
+              Settings(out=out, parser="spacy", boxes="fullframe",
+                       shard_size=max(1, images // 8), workers=1, splits=["train"]))
     return out
 
 
@@ -67,22 +88,21 @@ def children_cpu() -> float:
 
 
 def time_loader_epoch(loader: TrainLoader, epoch: int) -> dict:
-    """One epoch of `loader`: images/s and pairs/s as the training loop gets them, CPU per image
-    of the loader processes (reaped at the epoch's end) and of this process."""
-    pairs, seen = 0, set()
+    """One epoch of `loader`: images/s as the training loop gets them, CPU per image of the
+    loader processes (and their curl children, reaped at the epoch's end) and of this process."""
+    seen = set()
     start, cpu, workers_cpu = time.perf_counter(), time.process_time(), children_cpu()
     loader.set_epoch(epoch)
     for batch in loader:
-        pairs += len(batch.captions)
         seen.update(batch.image_ids)
     seconds = time.perf_counter() - start
-    return {"pairs_per_s": pairs / seconds, "images_per_s": len(seen) / seconds,
+    return {"images_per_s": len(seen) / seconds,
             "workers_cpu_ms": (children_cpu() - workers_cpu) / len(seen) * 1e3,
             "main_cpu_ms": (time.process_time() - cpu) / len(seen) * 1e3}
 
 
 def time_plain_decode(images: list[bytes], size: int) -> dict:
-    """One pass of trainer.data.decode_image over `images`, in this process."""
+    """One pass of trainer.reader.decode_image over `images`, in this process."""
     start, cpu = time.perf_counter(), time.process_time()
     for data in images:
         decode_image(data, size)
@@ -91,63 +111,146 @@ def time_plain_decode(images: list[bytes], size: int) -> dict:
             "cpu_ms": (time.process_time() - cpu) / len(images) * 1e3}
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def throughput(args: argparse.Namespace, shards: str) -> dict:
+    """Alternating loader epochs (local, and http with --http) and plain decoding passes."""
+    cfg = Config.from_dict({"data": {"shards": shards, "workers": args.workers},
+                            "model": {"image_size": args.image_size}})
+    vocab = load_vocabulary(cfg.data)
+    split = locate_split(shards, "train")
+    images = [s.get("jpg", s.get("png"))
+              for s in wds.tarfile_samples([{"url": u} for u in split.urls])]
+    sources = {"local": shards}
+    server = None
+    if args.http:
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                                   "127.0.0.1", "--directory", shards],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        sources["http"] = f"http://127.0.0.1:{port}"
+    try:
+        loaders = {name: TrainLoader(Config.from_dict({**cfg.to_dict(), "data": {
+            **cfg.to_dict()["data"], "shards": spec}}), vocab, args.batch_size, 0, 1)
+            for name, spec in sources.items()}
+        runs = []
+        for repeat in range(args.repeats):
+            run = {"plain": time_plain_decode(images, args.image_size)}
+            for name, loader in loaders.items():
+                run[name] = time_loader_epoch(loader, repeat)
+            runs.append(run)
+    finally:
+        if server is not None:
+            server.terminate()
+    mb = sum(map(len, images)) / 1e6
+    print(f"{shards}: {split.images} images ({mb:.1f} MB, {mb / split.images * 1e3:.0f} KB "
+          f"each), {split.captions} pairs, {len(split.urls)} shards; image size "
+          f"{args.image_size}; {os.cpu_count()} CPUs; {args.workers} loader process(es)")
+    summary = {}
+    for name in sources:
+        wall = [run[name]["images_per_s"] / (args.workers * run["plain"]["images_per_s"])
+                for run in runs]
+        cpu = [run["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
+        main_ms = statistics.median(run[name]["main_cpu_ms"] for run in runs)
+        rate = statistics.median(run[name]["images_per_s"] for run in runs)
+        summary[name] = {"ratio": statistics.median(wall), "cpu_ratio": statistics.median(cpu),
+                         "images_per_s": rate, "training_process_cpu_ms": main_ms}
+        print(f"{name:>5}: loader {rate:.0f} images/s; ratio per loader process (median of "
+              f"{args.repeats}) {summary[name]['ratio']:.2f} wall, "
+              f"{summary[name]['cpu_ratio']:.2f} cpu (target >= {TARGET}); training process "
+              f"{main_ms:.3f} ms CPU per image; repeats {', '.join(f'{w:.2f}' for w in wall)}")
+    plain_ms = statistics.median(run["plain"]["cpu_ms"] for run in runs)
+    print(f"plain decode + resize: {plain_ms:.3f} ms CPU per image; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    return {"shards": shards, "images": split.images, "image_size": args.image_size,
+            "workers": args.workers, "plain_cpu_ms": plain_ms, "runs": runs, **summary}
+
+
+def tiny_split(out: Path, samples: int, shard_size: int = 1000) -> Path:
+    """A training split of `samples` copies of one tiny sample, with its manifest and vocab."""
+    jpeg = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 40, 40)).save(jpeg, "JPEG")
+    caption = {"text": "a red square", "tokens": ["a", "red", "square"],
+               "triplets": [["det", "square", "a"], ["amod", "square", "red"]]}
+    shards = []
+    (out / "train").mkdir(parents=True)
+    for index, start in enumerate(range(0, samples, shard_size)):
+        count = min(shard_size, samples - start)
+        name = f"train/shard-{index:06d}.tar"
+        with wds.TarWriter(str(out / name), encoder=False) as writer:
+            for number in range(start, start + count):
+                meta = {"image_id": f"img{number:08d}", "split": "train", "width": 32,
+                        "height": 24, "captions": [caption] * 5, "boxes": [[0, 0, 32, 24]]}
+                writer.write({"__key__": f"img{number:08d}", "jpg": jpeg.getvalue(),
+                              "json": json.dumps(meta).encode()})
+        shards.append({"file": name, "samples": count, "captions": 5 * count, "sha256": None})
+    manifest = {"format": FORMAT_VERSION, "splits": {"train": {
+        "images": samples, "captions": 5 * samples, "shards": shards}}}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    Vocabulary(["a", "red", "square"], ["amod", "det"]).save(out / "vocab.json")
+    return out
+
+
+def startup_child(shards: str) -> None:
+    """In a fresh process: make a TrainLoader, draw its first batch; print wall time and RSS."""
+    start = time.perf_counter()
+    cfg = Config.from_dict({"data": {"shards": shards, "workers": 1},
+                            "model": {"image_size": 64}})
+    loader = TrainLoader(cfg, load_vocabulary(cfg.data), 100, 0, 1)
+    made = time.perf_counter() - start
+    batches = loader.batches()
+    next(batches)
+    first = time.perf_counter() - start
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    batches.close()
+    print(json.dumps({"loader_made_s": made, "first_batch_s": first, "peak_rss_mb": rss_mb}))
+
+
+def startup(sizes: list[int]) -> list[dict]:
+    rows = []
+    for size in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            shards = tiny_split(Path(tmp), size)
+            out = subprocess.run([sys.executable, __file__, "--startup-child", str(shards)],
+                                 check=True, capture_output=True, text=True).stdout
+            rows.append({"samples": size, **json.loads(out.splitlines()[-1])})
+            print(f"start-up, {size:>7} samples: loader made in {rows[-1]['loader_made_s']:.2f} "
+                  f"s, first batch at {rows[-1]['first_batch_s']:.2f} s, peak RSS "
+                  f"{rows[-1]['peak_rss_mb']:.0f} MB")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=Path, help="featurizer output folder (default: "
-                                                    "synthetic shards in a temporary folder)")
+    parser.add_argument("--shards", help="featurizer output folder (default: synthetic JPEGs)")
     parser.add_argument("--synthetic-images", type=int, default=400)
-    parser.add_argument("--synthetic-size", type=int, default=128, help="synthetic image side")
-    parser.add_argument("--split", default="train")
     parser.add_argument("--workers", type=int, default=1, help="loader processes")
     parser.add_argument("--batch-size", type=int, default=100, help="pairs per batch")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="alternations of one loader epoch and one plain decoding pass")
+                        help="alternations of loader epochs and plain decoding passes")
+    parser.add_argument("--http", action="store_true", help="also stream from a web server")
+    parser.add_argument("--startup", default="", help="comma-separated training set sizes")
+    parser.add_argument("--startup-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.startup_child:
+        startup_child(args.startup_child)
+        return
     if args.workers < 1:
         parser.error("--workers must be >= 1: this measures loader processes")
-    with tempfile.TemporaryDirectory() as tmp:
-        shards = args.shards or synthetic_shards(Path(tmp), args.synthetic_images,
-                                                 args.synthetic_size)
-        cfg = Config.from_dict({"data": {"shards": str(shards), "train_split": args.split,
-                                         "workers": args.workers},
-                                "model": {"image_size": args.image_size}})
-        vocab = Vocabulary.load(shards / "vocab.json")
-        split = read_split(shards, args.split)
-        images = [s.get("jpg", s.get("png"))
-                  for s in wds.tarfile_samples([{"url": u} for u in split.urls])]
-        started = time.perf_counter()
-        loader = TrainLoader(cfg, vocab, args.batch_size, rank=0, world_size=1)
-        index_s = time.perf_counter() - started  # the metadata, read once
-        runs = []
-        for repeat in range(args.repeats):
-            runs.append({"plain": time_plain_decode(images, args.image_size),
-                         "loader": time_loader_epoch(loader, repeat)})
-    print(f"{shards} split {args.split!r}: {split.images} images "
-          f"({sum(map(len, images)) / 1e6:.1f} MB), {split.captions} pairs, {len(split.urls)} "
-          f"shards; image size {args.image_size}; {os.cpu_count()} CPUs")
-    print(f"loader: metadata of the split read once in {index_s:.2f} s "
-          f"({index_s / split.images * 1e3:.2f} ms per image), when it is made")
-    for repeat, run in enumerate(runs):
-        epoch, plain = run["loader"], run["plain"]
-        run["ratio"] = epoch["images_per_s"] / (args.workers * plain["images_per_s"])
-        run["cpu_ratio"] = plain["cpu_ms"] / epoch["workers_cpu_ms"]
-        print(f"repeat {repeat}: loader, {args.workers} process(es): "
-              f"{epoch['pairs_per_s']:.0f} pairs/s, {epoch['images_per_s']:.1f} images/s, "
-              f"CPU per image {epoch['workers_cpu_ms']:.3f} ms in the loader processes, "
-              f"{epoch['main_cpu_ms']:.3f} ms in the training process; plain decode "
-              f"{plain['images_per_s']:.1f} images/s, {plain['cpu_ms']:.3f} ms; ratio "
-              f"{run['ratio']:.2f} wall, {run['cpu_ratio']:.2f} cpu")
-    ratio = statistics.median(run["ratio"] for run in runs)
-    cpu_ratio = statistics.median(run["cpu_ratio"] for run in runs)
-    print(f"ratio per loader process, median of {args.repeats}: {ratio:.2f} wall, "
-          f"{cpu_ratio:.2f} cpu (target >= {TARGET}); load average {os.getloadavg()[0]:.1f}")
-    print(json.dumps({"shards": str(shards), "split": args.split, "images": split.images,
-                      "pairs": split.captions, "image_size": args.image_size,
-                      "workers": args.workers, "batch_size": args.batch_size,
-                      "loader_index_s": index_s, "runs": runs, "ratio_per_worker": ratio,
-                      "cpu_ratio_per_worker": cpu_ratio, "target": TARGET,
-                      "load_average": os.getloadavg()[0]}))
+    result = {}
+    if args.repeats > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            shards = args.shards or str(synthetic_jpeg_shards(Path(tmp), args.synthetic_images))
+            result["throughput"] = throughput(args, shards)
+    if args.startup:
+        result["startup"] = startup([int(size) for size in args.startup.split(",")])
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

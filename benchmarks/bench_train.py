@@ -28,12 +28,12 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.data import make_train_loader
 from trainer.distributed import DistContext
 from trainer.model import DeFragModel
+from trainer.shardset import load_vocabulary
 from trainer.tracking import Tracker
 from trainer.train import Trainer
-from trainer.vocab import Vocabulary
+from trainer.train_loader import make_train_loader
 
 
 def make_config(shards: str, batch: int, image_size: int, val_split: str) -> Config:
@@ -61,7 +61,7 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     cfg = make_config(shards, args.batch, args.image_size, args.val_split)
-    vocab = Vocabulary.load(Path(shards) / "vocab.json")
+    vocab = load_vocabulary(cfg.data)
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"))
     trainer = Trainer(cfg, ctx, DeFragModel.from_config(cfg.model, vocab), vocab,
                       Tracker(None, None, None), TrainState())

@@ -9,8 +9,8 @@ demo dataset), `__main__` (the CLI).
 
 Output layout (format version `shards.FORMAT_VERSION`):
 
-    OUT/manifest.json            counts per split, shard list (bytes, samples, sha256), parser,
-                                 box source, vocabulary summary and relation table, the
+    OUT/manifest.json            counts per split, shard list (samples, captions, bytes, sha256),
+                                 parser, box source, vocabulary summary and relation table, the
                                  training split's counts of every relation type, every skipped
                                  input (file, line, item, reason, detail) and the command
     OUT/vocab.json               trainer.vocab.Vocabulary.save: words and kept relation types

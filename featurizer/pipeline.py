@@ -244,7 +244,8 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
             "dictionary_coverage": coverage(vocab, counts["word_counts"]),
             "skipped": dict(sorted(split_problems.items())),
             "shards": [{"file": f"{split}/{s['file']}", "samples": s["samples"],
-                        "bytes": s["bytes"], "sha256": s["sha256"]} for s in shards],
+                        "captions": s["captions"], "bytes": s["bytes"], "sha256": s["sha256"]}
+                       for s in shards],
         }
     return {
         "format": FORMAT_VERSION,

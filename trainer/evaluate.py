@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ from trainer.features import FeatureCache
 from trainer.model import DeFragModel
 from trainer.reader import DataProblem
 from trainer.registry import load_model_folder
-from trainer.shardset import SHARD_NAME, is_folder
+from trainer.shardset import SHARD_NAME, ShardError, is_folder
 
 RECALL_AT = (1, 5, 10)
 
@@ -316,8 +317,11 @@ def main(argv: list[str] | None = None) -> None:
                                    manifest=args.manifest, workers=args.workers)
     cfg.eval.allow_incomplete = args.allow_incomplete
     split = args.split or _split_of_list(args.shards, args.manifest)
-    eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
-    metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
+    try:
+        eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+        metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
+    except (ShardError, ValueError) as err:  # IncompleteSplit included: one line, no traceback
+        sys.exit(f"trainer.evaluate: {err}")
     count = len(set(eval_set.split.urls))
     chance = {k: 100.0 * min(k, eval_set.split.images) / eval_set.split.images for k in RECALL_AT}
     print(f"evaluated {line} from {count} shard(s)")
