@@ -78,8 +78,9 @@ def _common_flags() -> argparse.ArgumentParser:
                        help="keep relation types with at least this share of training triplets")
     flags.add_argument("--word-vectors", type=Path,
                        help="GloVe/word2vec text file whose words form the dictionary")
-    flags.add_argument("--vocab", type=Path,
-                       help="reuse vocab.json (or the folder of a featurized set or model)")
+    flags.add_argument("--vocab",
+                       help="reuse vocab.json (or the folder of a featurized set or model; a "
+                            "path or an http(s) URL)")
     return flags
 
 

@@ -36,7 +36,7 @@ from featurizer.shards import (
     write_shard,
 )
 from featurizer.sources import Source
-from featurizer.vocabulary import VOCAB_FILE, build_vocabulary, coverage, vocabulary_file
+from featurizer.vocabulary import VOCAB_FILE, build_vocabulary, coverage, reused_vocabulary
 from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Settings:
     min_word_count: int = 5
     relation_min_fraction: float = 0.01
     word_vectors: Path | None = None
-    vocab: Path | None = None
+    vocab: str | None = None  # a vocab.json, or a folder holding one; a path or an http(s) URL
     command: str = ""
 
 
@@ -111,7 +111,7 @@ def _reused_vocabulary(settings: Settings) -> Vocabulary | None:
                          "--word-vectors")
     if settings.word_vectors is not None and not Path(settings.word_vectors).is_file():
         raise FileNotFoundError(f"word-vector file {settings.word_vectors} does not exist")
-    return Vocabulary.load(vocabulary_file(settings.vocab)) if settings.vocab else None
+    return reused_vocabulary(settings.vocab) if settings.vocab else None
 
 
 def _select_splits(records: list[ImageRecord],
@@ -254,7 +254,7 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
         "box_source": box_source.describe(),
         "vocabulary": {
             "file": VOCAB_FILE, "words": len(vocab.words), "relations": vocab.relations,
-            "source": (f"reused from {vocabulary_file(settings.vocab)}" if reused
+            "source": (f"reused from {settings.vocab}" if reused
                        else f"built from split {settings.train_split!r}"),
             "word_vectors": str(settings.word_vectors) if settings.word_vectors else None,
             "min_word_count": settings.min_word_count,

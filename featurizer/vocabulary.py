@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from trainer.shardset import join_url, read_url
 from trainer.vocab import Vocabulary
 
 VOCAB_FILE = "vocab.json"
@@ -74,6 +75,16 @@ def vocabulary_file(path: Path) -> Path:
         raise FileNotFoundError(f"no vocabulary at {file} (give a vocab.json or a folder holding "
                                 f"one: a featurized dataset or a registered model)")
     return file
+
+
+def reused_vocabulary(location: str | Path) -> Vocabulary:
+    """The vocabulary at `location`: a vocab.json or a folder holding one (a featurized set or a
+    model), on disk or at an http(s) URL."""
+    location = str(location)
+    if location.startswith(("http://", "https://")):
+        url = location if location.endswith(".json") else join_url(location, VOCAB_FILE)
+        return Vocabulary.from_json(read_url(url), url)
+    return Vocabulary.load(vocabulary_file(Path(location)))
 
 
 def coverage(vocab: Vocabulary, word_counts: Mapping[str, int]) -> float:

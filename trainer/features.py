@@ -72,19 +72,18 @@ class FeatureCache:
         missing = [i for i, key in enumerate(image_ids) if key not in self.features]
         if missing and images.shape[-1] <= 1:
             raise RuntimeError(f"feature cache: no features for image {image_ids[missing[0]]} "
-                               f"and its pixels were not decoded (the loader was told every "
-                               f"training image's features were cached)")
-        if missing:  # the CNN runs on the missing images only
-            new_row = torch.full((len(image_ids),), -1, dtype=torch.long, device=box_image.device)
-            new_row[missing] = torch.arange(len(missing), device=box_image.device)
-            keep = new_row[box_image] >= 0
-            fresh = model.image.region_features(images[missing], boxes[keep],
-                                                new_row[box_image[keep]]).float().cpu()
-            owner = new_row[box_image[keep]].cpu()
-            for row, i in enumerate(missing):
-                self.features[image_ids[i]] = fresh[owner == row]
-                self.computed.add(image_ids[i])
-            self.unsaved += len(missing)
+                               f"and its pixels were not decoded (the loader was told its "
+                               f"features were cached)")
+        # The CNN runs on the missing images only, one at a time: an image's features must not
+        # depend on the images that shared its forward pass (CPU convolutions round differently
+        # for other batch sizes), or a run resumed mid-epoch would drift from the original.
+        for i in missing:
+            keep = box_image == i
+            fresh = model.image.region_features(images[i:i + 1], boxes[keep],
+                                                torch.zeros_like(box_image[keep]))
+            self.features[image_ids[i]] = fresh.float().cpu()
+            self.computed.add(image_ids[i])
+        self.unsaved += len(missing)
         counts = torch.bincount(box_image, minlength=len(image_ids)).tolist()
         for key, count in zip(image_ids, counts, strict=True):
             if len(self.features[key]) != count:

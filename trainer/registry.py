@@ -55,8 +55,11 @@ class ModelFolderError(ValueError):
 
 
 def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config,
-                      vocab: Vocabulary, metrics: dict[str, Any] | None = None) -> Path:
-    """Write the model folder atomically: built beside `folder`, then renamed over it."""
+                      vocab: Vocabulary, metrics: dict[str, Any] | None = None,
+                      featurizer: dict[str, Any] | None = None) -> Path:
+    """Write the model folder atomically: built beside `folder`, then renamed over it.
+    `featurizer`: the training shards' parser and box source (default: read from their
+    manifest)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -71,7 +74,7 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
         vocab.save(staging / VOCAB)
         if metrics is not None:
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        featurizer = training_featurizer(config)
+        featurizer = featurizer or training_featurizer(config)
         if featurizer is not None:  # so that new inputs are parsed and boxed alike anywhere
             (staging / FEATURIZER).write_text(json.dumps(featurizer, indent=2, sort_keys=True))
         files = {p.name: _fingerprint(p) for p in sorted(staging.iterdir())}

@@ -37,6 +37,8 @@ from trainer.vocab import Vocabulary
 MANIFEST = "manifest.json"  # written by featurizer.pipeline beside the split folders
 VOCAB = "vocab.json"
 SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+\.tar)")  # "<split>/shard-NNNNNN.tar" in a URL
+NOT_SET = ("data.shards is not set: point it at the output folder of `python -m featurizer ...` "
+           "(a path or an http(s) URL) or at a shard list")
 CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed mid-transfer",
              22: "HTTP error status (e.g. 404 Not Found)", 28: "timed out",
              52: "empty reply", 56: "connection reset"}
@@ -152,10 +154,12 @@ def is_folder(spec: str) -> bool:
     return spec.startswith(("http://", "https://")) or Path(spec).is_dir()
 
 
-def manifest_url(spec: str, manifest: str | None = None) -> str:
+def manifest_url(spec: str | None, manifest: str | None = None) -> str:
     """The manifest of `spec`: given, inside a folder, or two folders above a listed shard."""
     if manifest:
         return manifest
+    if not spec:
+        raise ValueError(NOT_SET)
     if is_folder(spec):
         return join_url(spec, MANIFEST)
     first = wds.shardlists.expand_urls(spec)[0]
@@ -185,8 +189,7 @@ def locate_split(spec: str | None, split: str, manifest: str | None = None,
     """The shards of `split` from a folder, a folder URL or a shard list (see the module doc);
     local shards are checked to exist (a stat each, no read)."""
     if not spec:
-        raise ValueError("data.shards is not set: point it at the output folder of "
-                         "`python -m featurizer ...` (a path or an http(s) URL) or at a shard list")
+        raise ValueError(NOT_SET)
     where = manifest_url(spec, manifest)
     entries = read_manifest(where, timeout, retries)
     splits = entries.get("splits", {})
@@ -243,7 +246,7 @@ def _counts(entry: dict, chosen: list[dict], where: str, spec: str) -> tuple[int
             sum(int(shard["captions"]) for shard in chosen))
 
 
-def vocab_url(spec: str, manifest: str | None = None, vocab: str | None = None) -> str:
+def vocab_url(spec: str | None, manifest: str | None = None, vocab: str | None = None) -> str:
     """The vocabulary of a set: given, else beside its manifest."""
     if vocab:
         return vocab

@@ -32,7 +32,7 @@ from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
 from trainer.pictures import best_boxes, fragment_labels, render_alignment
 from trainer.preemption import acknowledge, stop_requested
-from trainer.registry import save_model_folder
+from trainer.registry import save_model_folder, training_featurizer
 from trainer.tracking import Tracker
 from trainer.train_loader import make_train_loader
 from trainer.vocab import Vocabulary
@@ -84,6 +84,7 @@ class Trainer:
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
                                                     batch_size=self.per_rank_batch)
         self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
+        self.featurizer = training_featurizer(cfg) if ctx.is_main else None  # read once
         self.engine = None
         self.engine_finetunes: bool | None = None
         self.nonfinite_streak = 0  # non-finite losses in a row
@@ -219,7 +220,7 @@ class Trainer:
             self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
             if self.ctx.is_main:
                 save_model_folder(self.run_dir / "best", self.model, self.cfg, self.vocab,
-                                  {**metrics, "epoch": epoch})
+                                  {**metrics, "epoch": epoch}, self.featurizer)
         self.checkpoint()
 
     def validate(self, epoch: int) -> dict[str, float]:
