@@ -69,6 +69,13 @@ class Notes:
         self.problems.append(problem)
         log.warning("%s", problem.message)
 
+    def take(self) -> Notes:
+        """The notes gathered so far; this object goes on empty (a reader reporting into it
+        keeps the same object across chunks)."""
+        taken = Notes(self.problems, self.verified)
+        self.problems, self.verified = [], []
+        return taken
+
 
 @dataclass(frozen=True)
 class ReadOptions:
@@ -300,9 +307,9 @@ def image_chunks(shards: list[Shard], order: Iterable[int], decoder: SampleDecod
                 continue
             images.append(image)
             if len(images) == CHUNK_IMAGES:
-                yield images, pixels, notes
-                images, pixels, notes = [], [], Notes()
-    yield images, pixels, notes
+                yield images, pixels, notes.take()
+                images, pixels = [], []
+    yield images, pixels, notes.take()
 
 
 def read_images(shards: list[Shard], decoder: SampleDecoder,

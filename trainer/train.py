@@ -251,7 +251,8 @@ class Trainer:
         if self.ctx.world_size > 1:
             gathered: list[list] = [[] for _ in range(self.ctx.world_size)]
             dist.all_gather_object(gathered, problems)
-            problems = [problem for part in gathered for problem in part]
+            # one shard can be dealt to several ranks over the epochs: each problem once
+            problems = list({p.message: p for part in gathered for p in part}.values())
         if not self.ctx.is_main:
             return
         self.tracker.log_metrics({
