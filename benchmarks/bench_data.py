@@ -19,8 +19,8 @@ With --http the same loader epochs also run from `python -m http.server` serving
 folder on 127.0.0.1 (curl streams each shard), alternating with the same plain passes.
 
 Shards: --shards SPEC (a featurizer output folder), else Flickr-sized synthetic JPEGs generated
-into a temporary folder (--synthetic-images scenes at 500 x 375, JPEG quality 90, whole-image
-boxes, spaCy parses).
+into a temporary folder (--synthetic-images scenes at --synthetic-size 500x375, JPEG quality 90,
+whole-image boxes, spaCy parses).
 
 --startup 1000,10000,100000: for each size, a training split of that many tiny samples is written
 (tar + manifest, no featurizer: the same 1 KB JPEG and caption in each), then a fresh process
@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import webdataset as wds
 from PIL import Image
 
@@ -60,18 +61,20 @@ from trainer.train_loader import TrainLoader
 from trainer.vocab import Vocabulary
 
 TARGET = 0.9
-FLICKR_SIZE = (500, 375)
 
 
-def synthetic_jpeg_shards(out: Path, images: int) -> Path:
-    """Flickr-sized JPEG scenes, featurized with whole-image boxes."""
-    jsonl = generate(out / "source", images, 0, seed=0, image_size=FLICKR_SIZE[0])
-    lines = []
+def synthetic_jpeg_shards(out: Path, images: int, size: tuple[int, int]) -> Path:
+    """JPEG scenes of `size` (width, height) with film grain, featurized with whole-image
+    boxes."""
+    jsonl = generate(out / "source", images, 0, seed=0, image_size=max(size))
+    lines, noise = [], np.random.default_rng(0)
     for line in jsonl.read_text().splitlines():
         record = json.loads(line)
         png = jsonl.parent / record["image"]
         jpg = png.with_suffix(".jpg")
-        Image.open(png).convert("RGB").resize(FLICKR_SIZE).save(jpg, quality=90)
+        pixels = np.asarray(Image.open(png).convert("RGB").resize(size), np.float32)
+        grain = noise.normal(0.0, 10.0, pixels.shape)  # photo-like texture: ~100 KB files
+        Image.fromarray(np.clip(pixels + grain, 0, 255).astype(np.uint8)).save(jpg, quality=90)
         png.unlink()
         lines.append(json.dumps({**record, "image": str(jpg.relative_to(jsonl.parent)),
                                  "boxes": None}))
@@ -229,6 +232,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", help="featurizer output folder (default: synthetic JPEGs)")
     parser.add_argument("--synthetic-images", type=int, default=400)
+    parser.add_argument("--synthetic-size", default="500x375",
+                        help="WIDTHxHEIGHT of the synthetic JPEGs (Flickr-sized by default; "
+                             "224x224 for thumbnails)")
     parser.add_argument("--workers", type=int, default=1, help="loader processes")
     parser.add_argument("--batch-size", type=int, default=100, help="pairs per batch")
     parser.add_argument("--image-size", type=int, default=224)
@@ -246,7 +252,9 @@ def main() -> None:
     result = {}
     if args.repeats > 0:
         with tempfile.TemporaryDirectory() as tmp:
-            shards = args.shards or str(synthetic_jpeg_shards(Path(tmp), args.synthetic_images))
+            size = tuple(int(side) for side in args.synthetic_size.split("x"))
+            shards = args.shards or str(synthetic_jpeg_shards(Path(tmp), args.synthetic_images,
+                                                              size))
             result["throughput"] = throughput(args, shards)
     if args.startup:
         result["startup"] = startup([int(size) for size in args.startup.split(",")])
