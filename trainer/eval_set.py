@@ -20,6 +20,7 @@ from trainer.config import Config
 from trainer.loader_processes import run_in_processes
 from trainer.reader import (
     CHUNK_IMAGES,
+    PREFETCH_CHUNKS,
     DataProblem,
     ReadOptions,
     SampleDecoder,
@@ -29,8 +30,6 @@ from trainer.reader import (
 from trainer.shardset import Shard, SplitShards, val_split
 from trainer.train_loader import rank_and_world_size
 from trainer.vocab import Vocabulary
-
-PREFETCH_CHUNKS = 4
 
 
 class IncompleteSplit(ValueError):

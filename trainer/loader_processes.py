@@ -14,6 +14,7 @@ that have finished, so the result depends only on what each process generates.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import multiprocessing
 import os
@@ -85,17 +86,21 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
     children: list[tuple[multiprocessing.Process, Connection, np.ndarray, Semaphore]] = []
     running: list[int] = []  # processes that have not sent their last chunk yet
     try:
-        for process in range(processes):
-            ring = _shared_ring(prefetch, chunk_images, image_shape)
-            free_slots = context.Semaphore(prefetch)
-            reader, writer = context.Pipe(duplex=False)
-            child = context.Process(
-                target=_serve, name=f"defrag-loader-{process}", daemon=True,
-                args=(source, process, processes, ring, free_slots, writer, os.getpid()))
-            child.start()
-            writer.close()  # the child's copy is now the only one: its exit ends the pipe
-            children.append((child, reader, ring, free_slots))
-            running.append(process)
+        gc.freeze()  # a child's garbage collector then leaves the inherited objects alone, and
+        try:  # their pages are not copied (copy-on-write) as it walks them
+            for process in range(processes):
+                ring = _shared_ring(prefetch, chunk_images, image_shape)
+                free_slots = context.Semaphore(prefetch)
+                reader, writer = context.Pipe(duplex=False)
+                child = context.Process(
+                    target=_serve, name=f"defrag-loader-{process}", daemon=True,
+                    args=(source, process, processes, ring, free_slots, writer, os.getpid()))
+                child.start()
+                writer.close()  # the child's copy is now the only one: its exit ends the pipe
+                children.append((child, reader, ring, free_slots))
+                running.append(process)
+        finally:
+            gc.unfreeze()
         while running:
             for process in list(running):
                 child, reader, ring, free_slots = children[process]

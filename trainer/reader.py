@@ -41,6 +41,7 @@ from trainer.vocab import FRAGMENT_MODES, Vocabulary
 log = logging.getLogger(__name__)
 
 CHUNK_IMAGES = 8  # decoded images a loader process hands over at a time
+PREFETCH_CHUNKS = 4  # chunks a loader process decodes ahead (a batch of 100 pairs needs ~20)
 VERIFY_CHOICES = ("local", "all", "none")
 
 
@@ -168,7 +169,7 @@ class SampleDecoder:
             image_id = str(meta["image_id"])
             boxes = np.asarray(meta["boxes"][:self.max_boxes], dtype=np.float32).reshape(-1, 4)
             captions = [c["text"] for c in meta["captions"]]
-            fragments = [self.vocab.encode(c, self.fragment_mode).numpy()
+            fragments = [self.vocab.encode_array(c, self.fragment_mode)
                          for c in meta["captions"]]
         except (KeyError, ValueError, TypeError) as err:
             raise BadSample(f"unusable metadata ({type(err).__name__}: {err})") from None

@@ -65,7 +65,7 @@ def is_remote(url: str) -> bool:
 
 
 def open_url(url: str, timeout: float) -> IO[bytes]:
-    """A binary stream of `url`: a path, `file:`, `pipe:CMD`, `http(s)://` or any scheme
+    """A binary stream of `url`: a path, `pipe:CMD`, `http(s)://` or any other scheme
     webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail."""
     if url.startswith(("http://", "https://")):
         seconds = str(max(1, round(timeout)))

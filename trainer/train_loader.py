@@ -41,6 +41,7 @@ from trainer.config import Config
 from trainer.loader_processes import run_in_processes
 from trainer.reader import (
     CHUNK_IMAGES,
+    PREFETCH_CHUNKS,
     DataProblem,
     ReadOptions,
     SampleDecoder,
@@ -52,7 +53,6 @@ from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
-PREFETCH_CHUNKS = 4  # chunks each loader process decodes ahead (a batch of 100 pairs needs ~20)
 
 
 class TrainLoader:

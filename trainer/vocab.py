@@ -43,6 +43,10 @@ class Vocabulary:
         Fragments with a word outside the dictionary or a dropped relation type are skipped
         (paper 4: such words are discarded), so n may be 0.
         """
+        return torch.from_numpy(self.encode_array(caption, mode))
+
+    def encode_array(self, caption: dict, mode: str = "triplet") -> np.ndarray:
+        """`encode` as an int64 numpy array (what the shard reader keeps)."""
         if mode == "triplet":
             rows = [
                 (self.relation_index[rel], self.word_index[w1], self.word_index[w2])
@@ -59,7 +63,7 @@ class Vocabulary:
                     if a in self.word_index and b in self.word_index]
         else:
             raise ValueError(f"fragment mode {mode!r}: expected one of {FRAGMENT_MODES}")
-        return torch.from_numpy(np.array(rows, dtype=np.int64).reshape(-1, 3))
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
     def save(self, path: str | Path) -> None:
         data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}
