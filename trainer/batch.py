@@ -89,7 +89,7 @@ def collate(pairs: Sequence[Pair]) -> Batch:
             images.append(pair.image)
     fragments = [pair.image.fragments[pair.caption] for pair in pairs]
     return Batch(
-        images=torch.from_numpy(stack_pixels(images)),
+        images=stack_pixels(images),
         boxes=torch.from_numpy(np.concatenate([image.boxes for image in images])),
         box_image=owners([len(image.boxes) for image in images]),
         pair_image=torch.tensor([image_row[pair.image.image_id] for pair in pairs]),
@@ -101,15 +101,17 @@ def collate(pairs: Sequence[Pair]) -> Batch:
     )
 
 
-def stack_pixels(images: Sequence[CaptionedImage]) -> np.ndarray:
-    """uint8 [n, 3, S, S] of the images; an image left undecoded (its features are cached, see
-    trainer.features) is zeros there, and all of them undecoded give S = 1."""
+def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor:
+    """uint8 [n, 3, S, S] of the images, stored channels-last: each image is one plain copy of
+    its decoded rows (an image is collated into several batches, and moving its channels first
+    each time cost the training process 0.3 ms per image), and the CNN takes either layout.
+    An image left undecoded (its features are cached, see trainer.features) is zeros; all of
+    them undecoded give S = 1."""
     size = max(len(image.pixels) for image in images)
-    pixels = np.zeros((len(images), 3, size, size), np.uint8)
+    pixels = np.empty((len(images), size, size, 3), np.uint8)
     for row, image in enumerate(images):
-        if len(image.pixels) == size:
-            pixels[row] = image.pixels.transpose(2, 0, 1)
-    return pixels
+        pixels[row] = image.pixels if len(image.pixels) == size else 0
+    return torch.from_numpy(pixels).permute(0, 3, 1, 2)
 
 
 def batches_on_device(batches: Iterable[Batch], device: torch.device,

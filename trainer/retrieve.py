@@ -45,7 +45,7 @@ from featurizer.boxes import BoxSource, rebuild_box_source
 from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
-from trainer.batch import CaptionedImage, owners, unit_float
+from trainer.batch import CaptionedImage, owners, stack_pixels, unit_float
 from trainer.config import Config
 from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
@@ -250,7 +250,7 @@ def embed_images(paths: Sequence[Path], recipe: Recipe, skip_bad: bool,
 def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
                      device: str) -> torch.Tensor:
     """v [N_box, d] of decoded images, as the evaluation embeds an image batch."""
-    pixels = torch.from_numpy(np.stack([image.pixels.transpose(2, 0, 1) for image in images]))
+    pixels = stack_pixels(images)
     boxes = torch.from_numpy(np.concatenate([image.boxes for image in images]))
     box_image = owners([len(image.boxes) for image in images])
     v = model.image(unit_float(pixels.to(device)), boxes.to(device), box_image.to(device))
