@@ -24,8 +24,9 @@ whole-image boxes, spaCy parses).
 
 --startup 1000,10000,100000: for each size, a training split of that many tiny samples is written
 (tar + manifest, no featurizer: the same 1 KB JPEG and caption in each), then a fresh process
-makes a TrainLoader and draws its first batch; its wall time and peak resident memory are
-reported. Streaming reads no shard before the first batch, so both must stay flat.
+makes a TrainLoader and draws its first batch; its wall times and peak resident memory are
+reported (after the imports). Streaming reads no shard before the first batch, so both must stay
+flat.
 
     python benchmarks/bench_data.py [--shards DIR] [--workers 1] [--image-size 224]
         [--repeats 3] [--http] [--startup 1000,10000,100000]
@@ -199,19 +200,28 @@ def tiny_split(out: Path, samples: int, shard_size: int = 1000) -> Path:
     return out
 
 
-def startup_child(shards: str) -> None:
-    """In a fresh process: make a TrainLoader, draw its first batch; print wall time and RSS."""
-    start = time.perf_counter()
-    cfg = Config.from_dict({"data": {"shards": shards, "workers": 1},
-                            "model": {"image_size": 64}})
-    loader = TrainLoader(cfg, load_vocabulary(cfg.data), 100, 0, 1)
-    made = time.perf_counter() - start
-    batches = loader.batches()
-    next(batches)
-    first = time.perf_counter() - start
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    batches.close()
-    print(json.dumps({"loader_made_s": made, "first_batch_s": first, "peak_rss_mb": rss_mb}))
+# A fresh training process with only the trainer's imports: make a TrainLoader, draw its first
+# batch; print its wall times and peak resident memory.
+STARTUP_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+from trainer.config import Config
+from trainer.shardset import load_vocabulary
+from trainer.train_loader import TrainLoader
+imported = time.perf_counter()
+cfg = Config.from_dict({"data": {"shards": sys.argv[1], "workers": 1},
+                        "model": {"image_size": 64}})
+loader = TrainLoader(cfg, load_vocabulary(cfg.data), 100, 0, 1)
+made = time.perf_counter()
+batches = loader.batches()
+next(batches)
+first = time.perf_counter()
+status = open("/proc/self/status").read()  # VmHWM: peak RSS of this program (ru_maxrss
+rss_mb = int(status.split("VmHWM:")[1].split()[0]) / 1024  # keeps the forking parent's)
+batches.close()
+print(json.dumps({"loader_made_s": made - imported, "first_batch_s": first - imported,
+                  "peak_rss_mb": rss_mb}))
+"""
 
 
 def startup(sizes: list[int]) -> list[dict]:
@@ -219,7 +229,7 @@ def startup(sizes: list[int]) -> list[dict]:
     for size in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             shards = tiny_split(Path(tmp), size)
-            out = subprocess.run([sys.executable, __file__, "--startup-child", str(shards)],
+            out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, str(shards)],
                                  check=True, capture_output=True, text=True).stdout
             rows.append({"samples": size, **json.loads(out.splitlines()[-1])})
             print(f"start-up, {size:>7} samples: loader made in {rows[-1]['loader_made_s']:.2f} "
@@ -242,11 +252,7 @@ def main() -> None:
                         help="alternations of loader epochs and plain decoding passes")
     parser.add_argument("--http", action="store_true", help="also stream from a web server")
     parser.add_argument("--startup", default="", help="comma-separated training set sizes")
-    parser.add_argument("--startup-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.startup_child:
-        startup_child(args.startup_child)
-        return
     if args.workers < 1:
         parser.error("--workers must be >= 1: this measures loader processes")
     result = {}
