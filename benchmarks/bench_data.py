@@ -10,6 +10,10 @@ and a rank's start-up time and memory as the training set grows (target: flat).
 (b) plain decoding: the same image bytes, read from the shards into memory first, decoded one
     after another in this process by trainer.reader.decode_image (PIL open, draft, convert to
     RGB, resize to --image-size: exactly the loader's decode), images/s.
+(a') the loader processes alone: the same shards streamed and decoded by --workers loader
+    processes whose chunks this process receives and drops (no pairing, shuffling, collation):
+    what a loader process delivers when the training process does not share the machine's two
+    cores with it (on a GPU node the training process has cores of its own).
 ratio = loader images/s / (workers x plain images/s); cpu ratio = plain CPU per image / loader-
 process CPU per image (the ratio a loader process reaches on a core of its own). (a) and (b)
 alternate --repeats times and the medians are reported: this VM's speed drifts by 20% within
@@ -45,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +61,14 @@ from featurizer.shards import FORMAT_VERSION
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.config import Config
-from trainer.reader import decode_image
-from trainer.shardset import load_vocabulary, locate_split
+from trainer.loader_processes import Chunk, run_in_processes
+from trainer.reader import (
+    CHUNK_IMAGES,
+    PREFETCH_CHUNKS,
+    decode_image,
+    image_chunks,
+)
+from trainer.shardset import SplitShards, load_vocabulary, locate_split
 from trainer.train_loader import TrainLoader
 from trainer.vocab import Vocabulary
 
@@ -105,6 +116,27 @@ def time_loader_epoch(loader: TrainLoader, epoch: int) -> dict:
             "main_cpu_ms": (time.process_time() - cpu) / len(seen) * 1e3}
 
 
+def time_loader_processes(split: SplitShards, loader: TrainLoader, workers: int) -> dict:
+    """The loader processes alone: the chunks of a pass over `split` in `workers` processes
+    (decoded like `loader`'s, its verified shards not hashed again), received and dropped: no
+    pairing, shuffling or collation in this process."""
+    decoder = loader.decoder
+
+    def source(process: int, processes: int) -> Iterator[Chunk]:
+        return image_chunks(split.shards, range(process, len(split.shards), processes),
+                            decoder, loader.options, verified=frozenset(loader.verified))
+
+    size = decoder.image_size
+    start, workers_cpu, images = time.perf_counter(), children_cpu(), 0
+    for chunk, _, _ in run_in_processes(source, workers, CHUNK_IMAGES, (size, size, 3),
+                                        PREFETCH_CHUNKS):
+        images += len(chunk)
+    seconds = time.perf_counter() - start
+    return {"images_per_s": images / seconds,
+            "workers_cpu_ms": (children_cpu() - workers_cpu) / images * 1e3,
+            "main_cpu_ms": 0.0}
+
+
 def time_plain_decode(images: list[bytes], size: int) -> dict:
     """One pass of trainer.reader.decode_image over `images`, in this process."""
     start, cpu = time.perf_counter(), time.process_time()
@@ -147,6 +179,7 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
             run = {"plain": time_plain_decode(images, args.image_size)}
             for name, loader in loaders.items():
                 run[name] = time_loader_epoch(loader, repeat)
+            run["alone"] = time_loader_processes(split, loaders["local"], args.workers)
             runs.append(run)
     finally:
         if server is not None:
@@ -156,7 +189,7 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
           f"each), {split.captions} pairs, {len(split.urls)} shards; image size "
           f"{args.image_size}; {os.cpu_count()} CPUs; {args.workers} loader process(es)")
     summary = {}
-    for name in sources:
+    for name in [*sources, "alone"]:
         wall = [run[name]["images_per_s"] / (args.workers * run["plain"]["images_per_s"])
                 for run in runs]
         cpu = [run["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
