@@ -15,9 +15,9 @@ and a rank's start-up time and memory as the training set grows (target: flat).
     what a loader process delivers when the training process does not share the machine's two
     cores with it (on a GPU node the training process has cores of its own).
 ratio = loader images/s / (workers x plain images/s); cpu ratio = plain CPU per image / loader-
-process CPU per image (the ratio a loader process reaches on a core of its own). (a) and (b)
-alternate --repeats times and the medians are reported: this VM's speed drifts by 20% within
-seconds.
+process CPU per image (the ratio a loader process reaches on a core of its own). This VM's speed
+drifts by 20% within seconds, so every loader measurement is bracketed by two plain passes over
+500 of the same images, its floor is their mean, and the medians of --repeats are reported.
 
 With --http the same loader epochs also run from `python -m http.server` serving the shards'
 folder on 127.0.0.1 (curl streams each shard), alternating with the same plain passes.
@@ -39,6 +39,7 @@ flat.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -73,6 +74,7 @@ from trainer.train_loader import TrainLoader
 from trainer.vocab import Vocabulary
 
 TARGET = 0.9
+PLAIN_IMAGES = 500  # images of each plain decoding pass around a loader measurement
 
 
 def synthetic_jpeg_shards(out: Path, images: int, size: tuple[int, int]) -> Path:
@@ -147,6 +149,16 @@ def time_plain_decode(images: list[bytes], size: int) -> dict:
             "cpu_ms": (time.process_time() - cpu) / len(images) * 1e3}
 
 
+def bracketed(measure, images: list[bytes], size: int) -> dict:
+    """`measure()` with a plain decoding pass over `images` just before and just after it: the
+    mean of the two is its floor, so the machine's drift between measurements cancels out."""
+    before = time_plain_decode(images, size)
+    result = measure()
+    after = time_plain_decode(images, size)
+    plain = {key: (before[key] + after[key]) / 2 for key in before}
+    return {**result, "plain": plain}
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -174,12 +186,16 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
         loaders = {name: TrainLoader(Config.from_dict({**cfg.to_dict(), "data": {
             **cfg.to_dict()["data"], "shards": spec}}), vocab, args.batch_size, 0, 1)
             for name, spec in sources.items()}
+        sample = images[::max(1, len(images) // PLAIN_IMAGES)]
         runs = []
         for repeat in range(args.repeats):
-            run = {"plain": time_plain_decode(images, args.image_size)}
+            run = {}
             for name, loader in loaders.items():
-                run[name] = time_loader_epoch(loader, repeat)
-            run["alone"] = time_loader_processes(split, loaders["local"], args.workers)
+                run[name] = bracketed(functools.partial(time_loader_epoch, loader, repeat),
+                                      sample, args.image_size)
+            run["alone"] = bracketed(functools.partial(
+                time_loader_processes, split, loaders["local"], args.workers), sample,
+                args.image_size)
             runs.append(run)
     finally:
         if server is not None:
@@ -190,9 +206,9 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
           f"{args.image_size}; {os.cpu_count()} CPUs; {args.workers} loader process(es)")
     summary = {}
     for name in [*sources, "alone"]:
-        wall = [run[name]["images_per_s"] / (args.workers * run["plain"]["images_per_s"])
+        wall = [run[name]["images_per_s"] / (args.workers * run[name]["plain"]["images_per_s"])
                 for run in runs]
-        cpu = [run["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
+        cpu = [run[name]["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
         main_ms = statistics.median(run[name]["main_cpu_ms"] for run in runs)
         rate = statistics.median(run[name]["images_per_s"] for run in runs)
         summary[name] = {"ratio": statistics.median(wall), "cpu_ratio": statistics.median(cpu),
@@ -201,7 +217,8 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
               f"{args.repeats}) {summary[name]['ratio']:.2f} wall, "
               f"{summary[name]['cpu_ratio']:.2f} cpu (target >= {TARGET}); training process "
               f"{main_ms:.3f} ms CPU per image; repeats {', '.join(f'{w:.2f}' for w in wall)}")
-    plain_ms = statistics.median(run["plain"]["cpu_ms"] for run in runs)
+    plain_ms = statistics.median(run[name]["plain"]["cpu_ms"] for run in runs
+                                 for name in run)
     print(f"plain decode + resize: {plain_ms:.3f} ms CPU per image; load average "
           f"{os.getloadavg()[0]:.1f}")
     return {"shards": shards, "images": split.images, "image_size": args.image_size,
