@@ -361,6 +361,7 @@ def test_evaluate_command_on_a_damaged_split(shards: Path, model_folder: Path,
     lines = allowed.stdout.strip().splitlines()
     assert f"evaluated {expected_line(5, 1)} from 2 shard(s)" in lines
     assert "evaluated 5 of the 10 images and 25 of the 50 sentences" in allowed.stdout
+    assert "(chance 20.0)" in allowed.stdout and "(chance 100.0)" in allowed.stdout  # of 5 images
     metrics = json.loads(lines[-1])
     assert metrics["split"] == "val" and 0 <= metrics["rsum"] <= 600
 

@@ -49,6 +49,7 @@ class EvalSet:
     max_images: int | None = None  # only the first N usable images (one rank only)
     first: CaptionedImage | None = None  # the first image read (with pixels), for pictures
     problems: list[DataProblem] = field(default_factory=list)  # of the last pass
+    images_read: int = 0  # usable images of the last pass
 
     @property
     def shards(self) -> list[Shard]:
@@ -62,7 +63,7 @@ class EvalSet:
 
     def batches(self, images_per_batch: int = 32) -> Iterator[Batch]:
         """This rank's images, `images_per_batch` at a time with every caption of each."""
-        self.problems = []
+        self.problems, self.images_read = [], 0
         source = functools.partial(_chunks_of_process, self.shards, self.decoder, self.options)
         size = self.decoder.image_size
         chunks = run_in_processes(source, self.workers, CHUNK_IMAGES, (size, size, 3),
@@ -72,6 +73,7 @@ class EvalSet:
             while chunk := list(itertools.islice(images, images_per_batch)):
                 if self.first is None:
                     self.first = chunk[0]
+                self.images_read += len(chunk)
                 yield collate([pair for image in chunk for pair in image.pairs()])
         finally:
             chunks.close()  # stops the loader processes

@@ -316,14 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
                                    manifest=args.manifest, workers=args.workers)
     cfg.eval.allow_incomplete = args.allow_incomplete
-    split = args.split or _split_of_list(args.shards, args.manifest)
+    split = args.split or _split_of_list(args.shards)
     try:
         eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
         metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
     except (ShardError, ValueError) as err:  # IncompleteSplit included: one line, no traceback
         sys.exit(f"trainer.evaluate: {err}")
     count = len(set(eval_set.split.urls))
-    chance = {k: 100.0 * min(k, eval_set.split.images) / eval_set.split.images for k in RECALL_AT}
+    images = eval_set.images_read
+    chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}
     print(f"evaluated {line} from {count} shard(s)")
     for direction, name in (("i2t", "image annotation"), ("t2i", "image search")):
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"model": args.model, "shards": args.shards, "split": split, **metrics}))
 
 
-def _split_of_list(shards: str, manifest: str | None) -> str:
+def _split_of_list(shards: str) -> str:
     """The split a shard list belongs to (its first shard's folder name); 'test' for a folder."""
     if is_folder(shards):
         return "test"
