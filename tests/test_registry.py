@@ -252,14 +252,14 @@ def test_download_refuses_an_incomplete_store_copy(store: tuple[Tracker, DeFragM
 def test_cli_errors_are_one_clear_line(store: tuple[Tracker, DeFragModel], tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with pytest.raises(SystemExit, match="download: no tracking store: pass --tracking-uri"):
+    with pytest.raises(SystemExit, match="download: error: no tracking store: pass --tracking-uri"):
         main(["download", "models:/defrag@champion", "--dst", str(tmp_path / "a")])
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(SystemExit, match="exists and is not an empty folder"):
         main(["download", "models:/defrag@champion", "--dst", str(tmp_path / "full"),
               "--tracking-uri", store[0].tracking_uri])
-    with pytest.raises(SystemExit, match="verify: .*checksums.json is missing"):
+    with pytest.raises(SystemExit, match="verify: error: .*checksums.json is missing"):
         main(["verify", str(tmp_path / "full")])
 
 

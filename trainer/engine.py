@@ -20,8 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import Config
 from trainer.model import DeFragModel
 
-ENGINES = ("ddp", "deepspeed")
-
 
 def sgd_for_phase(model: DeFragModel, cfg: Config, finetune_cnn: bool) -> torch.optim.SGD:
     """SGD with momentum (paper 3.4): a head group, plus the CNN group in phase 2."""
@@ -128,8 +126,6 @@ class DeepSpeedEngine:
 def build_engine(model: DeFragModel, cfg: Config, finetune_cnn: bool, device: torch.device,
                  world_size: int) -> DDPEngine | DeepSpeedEngine:
     """The configured engine for one phase, with a fresh SGD over that phase's parameters."""
-    if cfg.run.engine not in ENGINES:
-        raise ValueError(f"run.engine {cfg.run.engine!r}: expected one of {ENGINES}")
     model.image.set_cnn_trainable(finetune_cnn)
     optimizer = sgd_for_phase(model, cfg, finetune_cnn)
     if cfg.run.engine == "ddp":

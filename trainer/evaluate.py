@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +20,14 @@ import torch.distributed as dist
 import webdataset as wds
 from tqdm import tqdm
 
+from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
 from trainer.features import FeatureCache
 from trainer.model import DeFragModel
 from trainer.reader import DataProblem
 from trainer.registry import load_model_folder
-from trainer.shardset import SHARD_NAME, ShardError, is_folder
+from trainer.shardset import SHARD_NAME, is_folder
 
 RECALL_AT = (1, 5, 10)
 
@@ -309,19 +309,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allow-incomplete", action="store_true",
                         help="evaluate even when usable images differ from the manifest's count")
     parser.add_argument("--device", default="cpu")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    with one_line_errors(parser.prog, args.debug):
+        _evaluate(args)
 
+
+def _evaluate(args: argparse.Namespace) -> None:
+    """The work of `main`: load the model and the split, evaluate, print."""
     model, cfg, vocab = load_model_folder(args.model)
     model.to(args.device)
     cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
                                    manifest=args.manifest, workers=args.workers)
     cfg.eval.allow_incomplete = args.allow_incomplete
     split = args.split or _split_of_list(args.shards)
-    try:
-        eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
-        metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
-    except (ShardError, ValueError) as err:  # IncompleteSplit included: one line, no traceback
-        sys.exit(f"trainer.evaluate: {err}")
+    eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+    metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
     count = len(set(eval_set.split.urls))
     images = eval_set.images_read
     chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
 
 from trainer.checkpoint import TrainState, clear_partial, latest_checkpoint, load_state
+from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
@@ -34,6 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="'latest' (default: the run's newest checkpoint, if any), "
                              "'none' (start over), or a checkpoint folder")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=0.01")
+    add_debug_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -79,21 +82,30 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     return summary
 
 
+def run(args: argparse.Namespace) -> None:
+    """Load the config, join the process group, train; the summary printed by rank 0."""
+    cfg = Config.load(args.config, args.overrides)
+    ctx = init_distributed(cfg.run.device)
+    try:
+        summary = train(cfg, ctx, args.resume)
+    except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
+        log.info("%s", stop)
+        return
+    if ctx.is_main:
+        print(json.dumps(summary))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     code = 1  # unless the training ends or is preempted
     try:
-        cfg = Config.load(args.config, args.overrides)
-        ctx = init_distributed(cfg.run.device)
-        summary = train(cfg, ctx, args.resume)
-        if ctx.is_main:
-            print(json.dumps(summary))
-        code = 0
-    except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
-        log.info("%s", stop)
-        code = 0
-    except Exception:
+        with one_line_errors("trainer.main", args.debug):
+            run(args)
+            code = 0
+    except SystemExit as failed:  # one_line_errors' line (end_process exits before Python
+        print(failed.code, file=sys.stderr)  # would print it)
+    except Exception:  # with --debug
         log.exception("training failed")
     finally:
         end_process(code)

@@ -17,7 +17,7 @@ from torch import nn
 
 from trainer.backbones import Backbone, build_backbone
 from trainer.config import ModelConfig
-from trainer.vocab import FRAGMENT_MODES, Vocabulary
+from trainer.vocab import Vocabulary
 from trainer.wordvecs import embedding_matrix
 
 REGION_MODES = ("roi", "crop")
@@ -200,9 +200,6 @@ class DeFragModel(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, vocab: Vocabulary, seed: int = 0) -> DeFragModel:
         """Build the model of `cfg` for `vocab`; `seed` fixes every random initialisation."""
-        if cfg.fragment_mode not in FRAGMENT_MODES:
-            raise ValueError(f"fragment mode {cfg.fragment_mode!r}: expected one of "
-                             f"{FRAGMENT_MODES}")
         word_vectors = embedding_matrix(vocab.words, cfg.word_vectors, cfg.word_dim, seed=seed)
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
             torch.manual_seed(seed)

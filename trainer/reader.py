@@ -36,13 +36,12 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 from trainer.batch import PLACEHOLDER_PIXELS, CaptionedImage
 from trainer.config import Config, DataConfig
 from trainer.shardset import Shard, ShardError, damaged_shard, describe_error, open_url
-from trainer.vocab import FRAGMENT_MODES, Vocabulary
+from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
 CHUNK_IMAGES = 8  # decoded images a loader process hands over at a time
 PREFETCH_CHUNKS = 4  # chunks a loader process decodes ahead (a batch of 100 pairs needs ~20)
-VERIFY_CHOICES = ("local", "all", "none")
 
 
 class BadSample(ValueError):
@@ -88,13 +87,7 @@ class ReadOptions:
 
     @classmethod
     def from_config(cls, data: DataConfig) -> ReadOptions:
-        """data.io_timeout, data.io_retries and data.verify_shards, checked."""
-        if data.verify_shards not in VERIFY_CHOICES:
-            raise ValueError(f"data.verify_shards {data.verify_shards!r}: expected one of "
-                             f"{VERIFY_CHOICES}")
-        if data.io_timeout <= 0 or data.io_retries < 0:
-            raise ValueError(f"need data.io_timeout > 0 (got {data.io_timeout}) and "
-                             f"data.io_retries >= 0 (got {data.io_retries})")
+        """data.io_timeout, data.io_retries and data.verify_shards (checked by Config)."""
         return cls(data.io_timeout, data.io_retries, data.verify_shards)
 
     def verifies(self, shard: Shard) -> bool:
@@ -140,13 +133,7 @@ class SampleDecoder:
 
     @classmethod
     def from_config(cls, cfg: Config, vocab: Vocabulary) -> SampleDecoder:
-        """model.image_size / fragment_mode / fullframe_only and data.max_boxes, checked."""
-        if cfg.model.fragment_mode not in FRAGMENT_MODES:
-            raise ValueError(f"model.fragment_mode {cfg.model.fragment_mode!r}: expected one of "
-                             f"{FRAGMENT_MODES}")
-        if cfg.model.image_size < 1 or cfg.data.max_boxes < 1:
-            raise ValueError(f"model.image_size ({cfg.model.image_size}) and data.max_boxes "
-                             f"({cfg.data.max_boxes}) must be >= 1")
+        """model.image_size / fragment_mode / fullframe_only and data.max_boxes."""
         max_boxes = 1 if cfg.model.fullframe_only else cfg.data.max_boxes
         return cls(vocab, cfg.model.image_size, max_boxes, cfg.model.fragment_mode)
 

@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from mlflow import MlflowClient
 from mlflow.environment_variables import MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 
+from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config, ModelConfig
 from trainer.tracking import connect
 
@@ -285,15 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     download.add_argument("--tracking-uri", help=f"default: ${MLFLOW_TRACKING_URI.name}")
     verify = commands.add_parser("verify", help="check a model folder against its checksums")
     verify.add_argument("folder", type=Path)
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors(f"{parser.prog} {args.command}", args.debug):
         if args.command == "download":
             folder = download_model(args.uri, args.dst, args.tracking_uri)
         else:
             verify_model_folder(args.folder)
             folder = args.folder
-    except (OSError, ValueError, LookupError, RuntimeError, MlflowException) as err:
-        sys.exit(f"{parser.prog} {args.command}: {err}")
     print(folder)
 
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
 from trainer.batch import CaptionedImage, owners, stack_pixels, unit_float
+from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
@@ -557,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dependency parser (default: the training shards', else "
                              f"{Settings.parser})")
     parser.add_argument("--device", default="cpu")
+    add_debug_flag(parser)
     return parser
 
 
@@ -571,11 +572,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.boxes == "detector" and not args.detector_weights:
         parser.error("--boxes detector needs --detector-weights FILE (a Faster R-CNN state dict)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    try:
+    with one_line_errors(parser.prog, args.debug):
         report = search(args)
-    except (OSError, ValueError, RuntimeError) as err:
-        # a bad model folder or input, a missing parser model or box-source weights: one line
-        sys.exit(f"{parser.prog}: {err}")
     print(json.dumps(report, indent=1, ensure_ascii=False) if args.json
           else format_report(report))
 

@@ -1,0 +1,44 @@
+"""How every command line of the project reports an error: one line on stderr naming what is
+wrong (the file, key, URL or flag at fault, as the exception says it) and a non-zero exit status;
+`--debug` shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+# Errors whose message is the whole story; anything else is named by its type as well.
+SELF_EXPLAINING = (ValueError, RuntimeError, OSError, LookupError)
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the full traceback instead of one line")
+
+
+def describe(err: BaseException) -> str:
+    """An exception in one line: its message, prefixed by its type where the message alone
+    would not say what happened."""
+    text = " ".join(str(err).split())
+    if isinstance(err, SELF_EXPLAINING) and text and type(err) not in (KeyError, IndexError):
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str, debug: bool = False) -> Iterator[None]:
+    """Run a command's work: an exception becomes `prog: error: ...` on stderr and exit status 1
+    (the traceback at debug level in the log); with `debug` it propagates with its traceback."""
+    try:
+        yield
+    except Exception as err:
+        if debug:
+            raise
+        log.debug("%s failed", prog, exc_info=True)
+        sys.exit(f"{prog}: error: {describe(err)} (--debug shows the traceback)")
