@@ -81,3 +81,23 @@ def test_distributed_step_equals_single_process_step(tmp_path, shards, engine, s
                                                      world_size):
     mp.spawn(worker, args=(world_size, str(tmp_path / "store"), str(shards), engine, stage),
              nprocs=world_size)
+
+
+def test_gradients_have_their_parameters_layout(shards) -> None:
+    """DDP's gradient layout contract: a gradient with other strides than its parameter makes DDP
+    warn "Grad strides do not match bucket view strides" on every rank and copy it each step
+    (EfficientNet-Lite's 1x1 convolutions did, fed channels-last images)."""
+    cfg = make_config(shards, "ddp", 1)
+    vocab = Vocabulary.load(f"{cfg.data.shards}/vocab.json")
+    first_shard = locate_split(cfg.data.shards, "train").shards[:1]
+    images = list(read_images(first_shard, SampleDecoder.from_config(cfg, vocab)))
+    batch = collate([images[i].pairs()[c] for i, c in PAIRS]).to("cpu")
+    model = DeFragModel.from_config(cfg.model, vocab, seed=0)
+    model.image.set_cnn_trainable(True)
+    v_box, s = model(batch.images, batch.boxes, batch.box_image, batch.fragments,
+                     batch.fragment_pair)
+    (v_box.sum() + s.sum()).backward()
+    learned = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    assert len(learned) > 40  # the CNN's convolutions included (batch norm stays fixed)
+    assert [(name, p.grad.stride(), p.stride()) for name, p in learned
+            if p.grad.stride() != p.stride()] == []

@@ -56,6 +56,21 @@ def learning_rate(epoch: int, cfg: Config) -> float:
     return cfg.optim.lr * (cfg.optim.anneal_factor if annealed else 1.0)
 
 
+def epoch_plan(epoch: int, cfg: Config) -> dict[str, int | bool | float]:
+    """What an epoch trains with (paper 3.4): its phase, MIL or not, CNN learning or fixed, lr."""
+    phase_two = in_phase_two(epoch, cfg)
+    return {"phase": 2 if phase_two else 1, "mil": cfg.objective.mil and phase_two,
+            "finetunes_cnn": finetunes_cnn(epoch, cfg), "lr": learning_rate(epoch, cfg)}
+
+
+def describe_plan(plan: dict[str, int | bool | float], cfg: Config) -> str:
+    """An epoch plan in words, for the log line at each change."""
+    objective = "C_F with MIL (eq. 5)" if plan["mil"] else "C_0 (eq. 4)"
+    cnn = (f"CNN finetuned (lr x {cfg.optim.cnn_lr_scale:g})" if plan["finetunes_cnn"]
+           else "CNN fixed")
+    return f"phase {plan['phase']}: objective {objective}, {cnn}, lr {plan['lr']:g}"
+
+
 def image_fragments_per_pair(v_box: torch.Tensor, batch: Batch) -> tuple[torch.Tensor,
                                                                         torch.Tensor]:
     """Each pair owns the box embeddings of its image: (v [Nv, d], v_owner [Nv])."""
@@ -88,6 +103,7 @@ class Trainer:
         self.engine = None
         self.engine_finetunes: bool | None = None
         self.nonfinite_streak = 0  # non-finite losses in a row
+        self.plan: dict[str, int | bool | float] | None = None  # the current epoch's
 
     def prepare_engine(self, epoch: int) -> None:
         """Build (or rebuild at the phase switch) the engine for this epoch's phase."""
@@ -109,11 +125,20 @@ class Trainer:
     def fit(self) -> TrainState:
         for epoch in range(self.state.epoch, self.cfg.optim.epochs):
             self.prepare_engine(epoch)
+            self.announce(epoch)
             self.state.epoch = epoch
             started = time.perf_counter()
             self.train_epoch(epoch)
             self.end_epoch(epoch, train_seconds=time.perf_counter() - started)
         return self.state
+
+    def announce(self, epoch: int) -> None:
+        """One log line when the phase, the objective, the CNN's training or the lr changes
+        (and for the first epoch this process runs)."""
+        plan = epoch_plan(epoch, self.cfg)
+        if plan != self.plan and self.ctx.is_main:
+            log.info("epoch %d: %s", epoch, describe_plan(plan, self.cfg))
+        self.plan = plan
 
     def train_epoch(self, epoch: int) -> None:
         lr = learning_rate(epoch, self.cfg)
@@ -204,7 +229,8 @@ class Trainer:
     def end_epoch(self, epoch: int, train_seconds: float) -> None:
         """Validate on rank 0, keep the best model by val rsum, checkpoint (all ranks).
 
-        Rank 0 appends the epoch's timings and val metrics to `<run_dir>/history.jsonl`."""
+        Rank 0 appends the epoch's plan (phase, MIL, CNN finetuned, lr), timings and val metrics
+        to `<run_dir>/history.jsonl`."""
         started = time.perf_counter()
         metrics = self.validate(epoch)
         if self.ctx.is_main:
@@ -213,8 +239,8 @@ class Trainer:
             self.tracker.log_metrics({f"time/{k}": v for k, v in times.items()},
                                      step=self.state.global_step)
             with (self.run_dir / "history.jsonl").open("a") as history:
-                history.write(json.dumps({"epoch": epoch, "finetunes_cnn": bool(
-                    self.engine_finetunes), **times, **metrics}) + "\n")
+                history.write(json.dumps({"epoch": epoch, **epoch_plan(epoch, self.cfg),
+                                          **times, **metrics}) + "\n")
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
         if metrics["rsum"] > self.state.best_rsum:
             self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch

@@ -1,0 +1,47 @@
+"""What a training run tells its user as it goes: one log line per change of phase, objective,
+CNN training or lr, a progress bar over every long pass (the epoch's steps, the validation
+images, the score matrix), and each epoch's plan in `history.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from trainer.config import Config
+from trainer.distributed import DistContext
+
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_phase_and_lr_changes_are_logged_and_kept_in_the_history(
+        tmp_path, shards, monkeypatch, caplog, capfd) -> None:
+    from trainer.main import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = Config.from_dict({
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64},
+        "data": {"shards": str(shards), "workers": 0, "resampled": True, "epoch_pairs": 40},
+        "optim": {"batch_size": 20, "lr": 0.005, "epochs": 4, "frozen_cnn_epochs": 2,
+                  "anneal_last_epochs": 1, "cnn_lr_scale": 0.1},
+        "run": {"run_dir": str(tmp_path / "run")},
+    })
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        train(cfg, CPU, resume="none")
+    plans = [r.getMessage() for r in caplog.records if ": phase " in r.getMessage()]
+    assert plans == [
+        "epoch 0: phase 1: objective C_0 (eq. 4), CNN fixed, lr 0.005",
+        "epoch 2: phase 2: objective C_F with MIL (eq. 5), CNN finetuned (lr x 0.1), lr 0.005",
+        "epoch 3: phase 2: objective C_F with MIL (eq. 5), CNN finetuned (lr x 0.1), lr 0.0005",
+    ]
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").open()]
+    assert [(h["epoch"], h["phase"], h["mil"], h["finetunes_cnn"]) for h in history] == [
+        (0, 1, False, False), (1, 1, False, False), (2, 2, True, True), (3, 2, True, True)]
+    assert [h["lr"] for h in history] == pytest.approx([0.005, 0.005, 0.005, 0.0005])
+    assert all("rsum" in h and "val_s" in h for h in history)
+    bars = capfd.readouterr().err
+    for bar in ("epoch 0", "epoch 3", "embed val", "score matrix"):
+        assert f"{bar}: 100%" in bars, bar
