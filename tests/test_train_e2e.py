@@ -1,12 +1,14 @@
 """End to end: real 2-process torchrun trainings over real shards (DDP and DeepSpeed), MLflow
-tracking and registration, the evaluate command, and a worker killed mid-run under
-`torchrun --max-restarts 1` that resumes and ends with the uninterrupted run's weights.
+tracking and registration, the evaluate command, a rank killed five times under
+`torchrun --max-restarts 5` that ends with the uninterrupted run's weights, and a killed loader
+process that stops the run with its name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,6 +21,9 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
 from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.registry import verify_model_folder
 
@@ -88,27 +93,80 @@ def test_two_process_training_tracks_and_registers(tmp_path, shards, engine):
     assert metrics["rsum"] == pytest.approx(summary["best_val_rsum"], abs=1e-3)
 
 
-def test_killed_worker_resumes_to_the_same_weights(tmp_path, shards):
+def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
+    """Rank 1 SIGKILLed at 5 random steps under `torchrun --max-restarts 5`: each restart resumes
+    from the newest checkpoint and the run ends with the uninterrupted run's weights."""
     uninterrupted = tmp_path / "uninterrupted"
     uninterrupted.mkdir()
-    finish(torchrun(tiny_config(uninterrupted, shards, checkpoint_every_steps=3)))
+    finish(torchrun(tiny_config(uninterrupted, shards, checkpoint_every_steps=2)))
 
     killed = tmp_path / "killed"
     killed.mkdir()
-    process = torchrun(tiny_config(killed, shards, checkpoint_every_steps=3), restarts=1)
+    process = torchrun(tiny_config(killed, shards, checkpoint_every_steps=2), restarts=5)
     pointer = killed / "run" / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while not (pointer.is_file() and pointer.read_text().strip() >= "step-00000006"):
-        assert process.poll() is None, "the run ended before the kill"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    workers = psutil.Process(process.pid).children(recursive=True)
-    victim = next(p for p in workers if "trainer.main" in " ".join(p.cmdline()))
-    os.kill(victim.pid, signal.SIGKILL)
+    chance = random.Random(0)
+    victims = set()
+    for target in sorted(chance.sample(range(2, 19), 5)):  # 20 steps in all
+        deadline = time.monotonic() + 600
+        while not (pointer.is_file() and int(pointer.read_text().split("-")[1]) >= target):
+            assert process.poll() is None, "the run ended before the kill"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(chance.uniform(0.0, 1.0))  # anywhere in the following step
+        victim = rank_process(process, rank=1)
+        assert victim.pid not in victims
+        victims.add(victim.pid)
+        os.kill(victim.pid, signal.SIGKILL)
     output = finish(process)
-    assert "resumed from" in output
+    assert output.count("resumed from") >= 2 * 5  # both ranks of each restart
 
     want, got = final_weights(uninterrupted / "run"), final_weights(killed / "run")
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Process:
+    """The training process of `rank` (its environment's RANK), once torchrun has started it."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for child in psutil.Process(torchrun_process.pid).children(recursive=True):
+            try:
+                if ("trainer.main" in " ".join(child.cmdline())
+                        and child.environ().get("RANK") == str(rank)
+                        and child.ppid() == torchrun_process.pid):
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} process under torchrun")
+
+
+@pytest.fixture(scope="module")
+def more_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 training images: a rank's loader process then outlives its first steps (it waits for
+    the training process to free a slot), where 40 fit in its read-ahead."""
+    root = tmp_path_factory.mktemp("synthetic200")
+    jsonl = generate(root / "source", 200, 10, seed=0)
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=root, parser="spacy", boxes="given", shard_size=25, workers=1))
+    return root
+
+
+def test_a_killed_loader_process_stops_the_run_with_its_name(tmp_path, more_shards):
+    """One rank's loader process SIGKILLed: that rank names it and fails, torchrun stops the
+    other rank, and the run ends (non-zero) instead of hanging."""
+    process = torchrun(tiny_config(tmp_path, more_shards, checkpoint_every_steps=1))
+    pointer = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not pointer.is_file():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    rank = rank_process(process, rank=1)
+    loaders = [p for p in rank.children() if p.cmdline() == rank.cmdline()]  # forked
+    assert loaders, "rank 1 has no loader process"
+    os.kill(loaders[0].pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert (f"trainer.main: error: loader process 0 (pid {loaders[0].pid}) exited unexpectedly "
+            f"with exit code -9") in output, output[-3000:]
