@@ -17,6 +17,17 @@ Output layout (format version `shards.FORMAT_VERSION`):
     OUT/<split>/shard-000000.tar one WebDataset sample per image, samples sorted by image id
     OUT/<split>/shard-000000.json its sidecar: counts, sha256, input fingerprint (resumption)
 
+The manifest's "skipped" has one item per distinct input left out, so `count` = the sum of
+`by_reason` = the number of `items`, and a split's "skipped" counts that split's items (an item
+whose split is unknown, e.g. a line that is not UTF-8, counts only in the totals). An item is
+- a whole image (`missing_image`, `bad_image`, `unsupported_format`, `duplicate_image`,
+  `bad_boxes`, `no_captions`): an image left without a usable caption is ONE `no_captions` item,
+  whose detail names the captions it lost;
+- a caption left out of an image that was written (`empty_caption`, `no_words`, `not_utf8`);
+- or a line, entry or file read as neither (`malformed`, `odd_key`, `duplicate_key`, `not_utf8`,
+  `missing_split_file`).
+Each is logged as `FILE:LINE [ITEM]: reason: detail` (the first 20 of a run) and listed in full.
+
 A sample's key is the sanitised image id (the image path without extension, [A-Za-z0-9_-]);
 its entries are `jpg` or `png` (the ORIGINAL file bytes, extension from the decoded format) and
 `json`:

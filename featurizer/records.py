@@ -23,6 +23,7 @@ MISSING_IMAGE = "missing_image"
 BAD_IMAGE = "bad_image"
 UNSUPPORTED_FORMAT = "unsupported_format"
 BAD_BOXES = "bad_boxes"
+NOT_UTF8 = "not_utf8"
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class Caption:
 @dataclass
 class ImageRecord:
     """One image of a split with its captions; `boxes` are ground-truth boxes when the source has
-    them (used by the "given" box source)."""
+    them (used by the "given" box source). `dropped` are the problems of the captions the source
+    could not use: reported when the image is written, else named in its one `no_captions`."""
 
     image_id: str
     split: str
@@ -78,6 +80,15 @@ class ImageRecord:
     origin: Origin
     captions: list[Caption] = field(default_factory=list)
     boxes: list[list[float]] | None = None
+    dropped: list[Problem] = field(default_factory=list)
+
+
+def no_captions(record: ImageRecord, dropped: list[Problem]) -> Problem:
+    """The one problem of an image left without a usable caption: the `dropped` captions' problems
+    are named in its detail, not counted again."""
+    why = f" ({'; '.join(p.detail for p in dropped)})" if dropped else ""
+    return Problem(record.origin, NO_CAPTIONS, f"{record.file}: no usable caption{why}",
+                   record.split)
 
 
 def image_key(name: str) -> str:

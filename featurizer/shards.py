@@ -27,7 +27,7 @@ import webdataset as wds
 
 from featurizer.images import BadImage, LoadedImage, load_image
 from featurizer.parsing import ParsedCaption, Parser
-from featurizer.records import NO_CAPTIONS, NO_WORDS, Caption, ImageRecord, Problem
+from featurizer.records import NO_WORDS, Caption, ImageRecord, Problem, no_captions
 
 FORMAT_VERSION = 1
 TMP_MARK = ".tmp-"
@@ -66,7 +66,8 @@ def plan_shards(split: str, records: list[ImageRecord], directory: Path, shard_s
 def _fingerprint(records: list[ImageRecord], settings: dict) -> str:
     """Hash of what determines a shard's bytes: format, settings, and each record's inputs."""
     payload = {"format": FORMAT_VERSION, "settings": settings, "records": [
-        [r.image_id, r.file, _file_size(r.path), [c.text for c in r.captions], r.boxes]
+        [r.image_id, r.file, _file_size(r.path), [c.text for c in r.captions], r.boxes,
+         [str(p) for p in r.dropped]]
         for r in records]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -146,18 +147,16 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
 
 def _usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCaption]],
                      problems: list[Problem]) -> list[dict]:
-    """Captions with at least one word, as stored; reports the others (and a captionless image)."""
-    captions = []
+    """Captions with at least one word, as stored. Reports the others with those the source
+    dropped, or, when none is left, the image alone (one `no_captions` naming them)."""
+    captions, dropped = [], list(record.dropped)
     for caption, fragments in parsed:
         if fragments.tokens:
             captions.append(fragments.caption(caption.text))
         else:
-            problems.append(Problem(caption.origin, NO_WORDS,
-                                    f"{record.file}: caption {caption.text!r} has no words",
-                                    record.split))
-    if not captions:
-        problems.append(Problem(record.origin, NO_CAPTIONS,
-                                f"{record.file}: no caption with words left", record.split))
+            dropped.append(Problem(caption.origin, NO_WORDS,
+                                   f"caption {caption.text!r} has no words", record.split))
+    problems.extend(dropped if captions else [no_captions(record, dropped)])
     return captions
 
 

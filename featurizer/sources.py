@@ -7,17 +7,21 @@
 - `read_jsonl`: one `{"image": path, "captions": [...], "split": ..., "boxes"?: [[x1,y1,x2,y2]]}`
   per line; relative image paths are relative to the images folder.
 
-Bad entries (odd or duplicate keys, empty captions, malformed lines) become `Problem`s with their
-file and line; only a missing token/JSON file or an explicitly requested split that does not
-exist is an error. Image files are opened later, by the shard writers.
+Bad entries (odd or duplicate keys, malformed lines, lines that are not UTF-8) become `Problem`s
+with their file and line, one per skipped input; a caption the source cannot use goes with its
+image (`ImageRecord.dropped`), so an image left without captions is one `no_captions` problem.
+A JSON document is decoded with its bad bytes kept aside: the sentence or image entry that holds
+them is skipped, named by its item path. Only a missing token/JSON file or an explicitly
+requested split that does not exist is an error. Image files are opened later, by the shard
+writers.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from featurizer.records import (
@@ -27,13 +31,14 @@ from featurizer.records import (
     EMPTY_CAPTION,
     MALFORMED,
     MISSING_SPLIT_FILE,
-    NO_CAPTIONS,
+    NOT_UTF8,
     ODD_KEY,
     Caption,
     ImageRecord,
     Origin,
     Problem,
     image_key,
+    no_captions,
 )
 
 # Flickr8k release names, relative to its root; Flickr30k's release uses the same token format.
@@ -45,6 +50,9 @@ FLICKR8K_SPLIT_FILES = {
     "test": "Flickr8k_text/Flickr_8k.testImages.txt",
 }
 _TOKEN_KEY = re.compile(r"^(?P<name>[^#\t]+\.(?:jpe?g|png))#(?P<index>\d+)$", re.IGNORECASE)
+_BAD_BYTE = re.compile("[\udc80-\udcff]")  # a byte that was not UTF-8, decoded "surrogateescape"
+_RESAVE = ("the file must be UTF-8: fix it there, or convert a file that is all Latin-1 with "
+           "iconv -f latin1 -t utf-8")
 
 
 @dataclass
@@ -64,6 +72,24 @@ class Source:
             return
         seen[record.image_id] = record.origin
         self.records.append(record)
+
+
+def _text_lines(path: Path, source: Source,
+                split: str | None = None) -> Iterator[tuple[Origin, str]]:
+    """The non-blank lines of a UTF-8 text file with their origins; a line that is not UTF-8 is
+    reported and left out, the others are read on."""
+    with path.open("rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            origin = Origin(str(path), number)
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                source.problems.append(Problem(
+                    origin, NOT_UTF8, f"byte 0x{raw[err.start]:02x} (offset {err.start} in the "
+                                      f"line) is not UTF-8; line skipped ({_RESAVE})", split))
+                continue
+            if line.strip():
+                yield origin, line
 
 
 def read_flickr(token_file: Path, images_dir: Path, split_files: dict[str, Path],
@@ -92,27 +118,21 @@ def read_flickr(token_file: Path, images_dir: Path, split_files: dict[str, Path]
     if not members:
         raise ValueError(f"no images: none of the split lists {list(split_files.values())} "
                          f"exists or lists an image")
-    captions = _read_token_file(token_file, members, source)
+    captions, dropped = _read_token_file(token_file, members, source)
     seen: dict[str, Origin] = {}
     for name, (split, origin) in members.items():
-        if name not in captions:
-            source.problems.append(Problem(origin, NO_CAPTIONS,
-                                           f"{name} has no caption in {token_file}", split))
-            continue
-        indexed = sorted(captions[name].items())
-        source.add(ImageRecord(image_id=image_key(name), split=split, path=images_dir / name,
-                               file=name, origin=origin,
-                               captions=[caption for _, caption in indexed]), seen)
+        indexed = sorted(captions.get(name, {}).items())
+        _add_with_captions(source, seen, ImageRecord(
+            image_id=image_key(name), split=split, path=images_dir / name, file=name,
+            origin=origin, captions=[caption for _, caption in indexed],
+            dropped=dropped.get(name, [])))
     return source
 
 
 def _read_split_list(path: Path, split: str, members: dict[str, tuple[str, Origin]],
                      source: Source) -> None:
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for origin, line in _text_lines(path, source, split):
         name = line.strip()
-        if not name:
-            continue
-        origin = Origin(str(path), number)
         if name in members:
             other_split, other = members[name]
             source.problems.append(Problem(origin, DUPLICATE_IMAGE,
@@ -122,17 +142,16 @@ def _read_split_list(path: Path, split: str, members: dict[str, tuple[str, Origi
         members[name] = (split, origin)
 
 
-def _read_token_file(path: Path, members: dict[str, tuple[str, Origin]],
-                     source: Source) -> dict[str, dict[int, Caption]]:
-    """Captions of the listed images, by image name and caption number."""
+def _read_token_file(
+        path: Path, members: dict[str, tuple[str, Origin]], source: Source,
+) -> tuple[dict[str, dict[int, Caption]], dict[str, list[Problem]]]:
+    """Captions of the listed images by image name and caption number, and their empty ones."""
     if not path.is_file():
         raise FileNotFoundError(f"token file {path} does not exist (set it with --token-file)")
     captions: dict[str, dict[int, Caption]] = {}
-    seen_keys: dict[str, int] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        origin = Origin(str(path), number)
+    dropped: dict[str, list[Problem]] = {}
+    seen_keys: dict[str, int | None] = {}
+    for origin, line in _text_lines(path, source):
         key, tab, text = line.partition("\t")
         if not tab:
             source.problems.append(Problem(origin, MALFORMED, "no TAB between key and caption"))
@@ -149,20 +168,21 @@ def _read_token_file(path: Path, members: dict[str, tuple[str, Origin]],
             source.problems.append(Problem(origin, DUPLICATE_KEY, f"key {key!r} already at line "
                                                                   f"{seen_keys[key]}", split))
             continue
-        seen_keys[key] = number
+        seen_keys[key] = origin.line
         if split is None:
             continue
         if not text.strip():
-            source.problems.append(Problem(origin, EMPTY_CAPTION, f"{key}: empty caption", split))
+            dropped.setdefault(name, []).append(Problem(origin, EMPTY_CAPTION,
+                                                        f"{key}: empty caption", split))
             continue
         captions.setdefault(name, {})[int(match["index"])] = Caption(text.strip(), origin)
-    return captions
+    return captions, dropped
 
 
 def read_karpathy(json_file: Path, images_dir: Path) -> Source:
     """Read a Karpathy-split JSON file; image paths are `images_dir/filepath/filename`."""
     try:
-        data = json.loads(Path(json_file).read_text(encoding="utf-8"))
+        data = json.loads(Path(json_file).read_bytes().decode("utf-8", "surrogateescape"))
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{json_file}: cannot read the Karpathy-split JSON ({err})") from err
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
@@ -178,19 +198,33 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
                                            "needs 'filename', 'split' and 'sentences'"))
             continue
         file = "/".join(part for part in (image.get("filepath", ""), image["filename"]) if part)
-        captions = []
+        split = image["split"]
+        if _BAD_BYTE.search(file + split):
+            source.problems.append(Problem(origin, NOT_UTF8, f"file {_shown(file)} or split "
+                                                             f"{_shown(split)} is not UTF-8; "
+                                                             f"image skipped ({_RESAVE})"))
+            continue
+        captions, dropped = [], []
         for j, sentence in enumerate(image["sentences"]):
             where = Origin(str(json_file), item=f"images[{i}].sentences[{j}]")
             text = _sentence_text(sentence)
-            if text:
-                captions.append(Caption(text, where))
+            if not text:
+                dropped.append(Problem(where, EMPTY_CAPTION, f"sentence {j} is empty", split))
+            elif _BAD_BYTE.search(text):
+                dropped.append(Problem(where, NOT_UTF8, f"sentence {j} {_shown(text)} is not "
+                                                        f"UTF-8; sentence skipped ({_RESAVE})",
+                                       split))
             else:
-                source.problems.append(Problem(where, EMPTY_CAPTION, f"{file}: empty sentence",
-                                               image["split"]))
+                captions.append(Caption(text, where))
         _add_with_captions(source, seen, ImageRecord(
-            image_id=image_key(file), split=image["split"], path=images_dir / file, file=file,
-            origin=origin, captions=captions))
+            image_id=image_key(file), split=split, path=images_dir / file, file=file,
+            origin=origin, captions=captions, dropped=dropped))
     return source
+
+
+def _shown(text: str) -> str:
+    """`text` quoted, with its bytes that were not UTF-8 written as \\xNN."""
+    return "'" + text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") + "'"
 
 
 def _sentence_text(sentence: object) -> str:
@@ -212,11 +246,7 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
         raise FileNotFoundError(f"JSONL file {jsonl_file} does not exist")
     source = Source()
     seen: dict[str, Origin] = {}
-    lines = jsonl_file.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        origin = Origin(str(jsonl_file), number)
+    for origin, line in _text_lines(jsonl_file, source):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as err:
@@ -234,19 +264,17 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
             source.problems.append(Problem(origin, BAD_BOXES, '"boxes" must be a list of '
                                                               '[x1, y1, x2, y2] numbers', split))
             continue
-        captions = []
+        captions, dropped = [], []
         for j, text in enumerate(entry["captions"]):
+            where = replace(origin, item=f"captions[{j}]")
             if isinstance(text, str) and text.strip():
-                captions.append(Caption(text.strip(), Origin(str(jsonl_file), number,
-                                                             f"captions[{j}]")))
+                captions.append(Caption(text.strip(), where))
             else:
-                source.problems.append(Problem(Origin(str(jsonl_file), number, f"captions[{j}]"),
-                                               EMPTY_CAPTION, f"{entry['image']}: caption "
-                                                              f"{text!r} is empty", split))
+                dropped.append(Problem(where, EMPTY_CAPTION, f"caption {text!r} is empty", split))
         path = Path(entry["image"])
         _add_with_captions(source, seen, ImageRecord(
             image_id=image_key(entry["image"]), split=split, path=images_dir / path,
-            file=entry["image"], origin=origin, captions=captions,
+            file=entry["image"], origin=origin, captions=captions, dropped=dropped,
             boxes=[[float(v) for v in box] for box in boxes] if boxes is not None else None))
     return source
 
@@ -262,8 +290,7 @@ def _add_with_captions(source: Source, seen: dict[str, Origin], record: ImageRec
     if record.captions:
         source.add(record, seen)
     else:
-        source.problems.append(Problem(record.origin, NO_CAPTIONS,
-                                       f"{record.file} has no usable caption", record.split))
+        source.problems.append(no_captions(record, record.dropped))
 
 
 def rename_splits(source: Source, mapping: dict[str, str]) -> Source:

@@ -97,20 +97,34 @@ def test_bad_inputs_are_reported_counted_and_skipped(tmp_path: Path) -> None:
     jsonl = make_dataset(tmp_path / "data", good=3, bad=True)
     manifest = run(jsonl, tmp_path / "out")
     assert manifest["splits"]["train"]["images"] == 3
-    expected = {"bad_image": 3, "empty_caption": 1, "missing_image": 1, "no_captions": 1,
-                "no_words": 1, "unsupported_format": 1}
+    # one item per skipped image: the wordless image's two captions are named in its no_captions
+    # item, not counted again (one found empty by the source, one wordless by the parser)
+    expected = {"bad_image": 3, "missing_image": 1, "no_captions": 1, "unsupported_format": 1}
     assert manifest["splits"]["train"]["skipped"] == expected
     assert manifest["skipped"]["by_reason"] == expected
+    assert manifest["skipped"]["count"] == 6
     items = {(item["reason"], item["line"]) for item in manifest["skipped"]["items"]}
     lines = {name: n for n, name in enumerate(
         ["truncated", "garbage", "folder", "anim", "missing", "wordless"], start=4)}
     assert {("bad_image", lines["truncated"]), ("bad_image", lines["garbage"]),
             ("bad_image", lines["folder"]), ("unsupported_format", lines["anim"]),
-            ("missing_image", lines["missing"]), ("no_words", lines["wordless"]),
-            ("no_captions", lines["wordless"]), ("empty_caption", lines["wordless"])} == items
+            ("missing_image", lines["missing"]), ("no_captions", lines["wordless"])} == items
     assert all(item["file"] == str(jsonl) for item in manifest["skipped"]["items"])
     truncated = next(i for i in manifest["skipped"]["items"] if i["line"] == lines["truncated"])
     assert "truncated.jpg" in truncated["detail"]
+    wordless = next(i for i in manifest["skipped"]["items"] if i["line"] == lines["wordless"])
+    assert "'. . .' has no words" in wordless["detail"] and "'' is empty" in wordless["detail"]
+
+
+def test_a_kept_images_skipped_captions_are_counted_once(tmp_path: Path) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=2)
+    write_image(tmp_path / "data/images/extra.jpg", 9)
+    with jsonl.open("a") as stream:
+        stream.write(json.dumps({"image": "images/extra.jpg", "split": "val",
+                                 "captions": [CAPTIONS[0], "", ". . ."]}) + "\n")
+    manifest = run(jsonl, tmp_path / "out", splits=["train", "val"])
+    assert manifest["splits"]["val"]["skipped"] == {"empty_caption": 1, "no_words": 1}
+    assert manifest["skipped"]["count"] == 2
 
 
 def test_rerun_skips_finished_shards_and_redoes_broken_ones(
@@ -231,6 +245,24 @@ def test_cli_jsonl_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--splits", "train", "test", "--out", str(tmp_path / "f8k_out"),
                  "--parser", "spacy"])
     assert code == 2 and "test.txt does not exist" in capsys.readouterr().err
+
+
+def test_cli_reports_a_line_that_is_not_utf8_once_and_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    with jsonl.open("ab") as stream:  # the reproduction, and an image without a caption
+        stream.write(b'{"image":"images/a.jpg","captions":["caf\xe9"],"split":"train"}\n'
+                     b'{"image":"images/img00.png","captions":["", " "],"split":"train"}\n')
+    out = tmp_path / "out"
+    assert main(["jsonl", "--jsonl", str(jsonl), "--out", str(out), "--parser", "spacy",
+                 "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["images"] == 3
+    assert manifest["skipped"]["by_reason"] == {"no_captions": 1, "not_utf8": 1}
+    assert manifest["skipped"]["count"] == 2
+    assert manifest["splits"]["train"]["skipped"] == {"no_captions": 1}  # line 4: split unknown
+    reports = [r.getMessage() for r in caplog.records if f"{jsonl}:4:" in r.getMessage()]
+    assert len(reports) == 1 and "not_utf8: byte 0xe9" in reports[0] and "UTF-8" in reports[0]
 
 
 def test_cli_karpathy_with_split_map(tmp_path: Path) -> None:

@@ -8,14 +8,16 @@ import pytest
 from featurizer.records import image_key
 from featurizer.sources import read_flickr, read_jsonl, read_karpathy, rename_splits
 
+NOT_UTF8 = b"caf\xe9"  # "café" saved as Latin-1: byte 0xe9 is not UTF-8
 
-def reasons(source) -> list[tuple[str, int | None]]:
-    return [(p.reason, p.origin.line) for p in source.problems]
+
+def reasons(problems) -> list[tuple[str, int | None]]:
+    return [(p.reason, p.origin.line) for p in problems]
 
 
 @pytest.fixture
 def flickr(tmp_path: Path) -> Path:
-    """A Flickr8k-style release: token file with an odd key, a duplicate, an empty caption."""
+    """A Flickr8k-style release: token file with an odd key, a duplicate, empty captions."""
     text = tmp_path / "text"
     text.mkdir()
     (text / "tokens.txt").write_text(
@@ -28,9 +30,10 @@ def flickr(tmp_path: Path) -> Path:
         "no tab on this line\n"                            # 7: malformed
         "\n"                                               # 8: blank, ignored
         "3_c.jpg#0\tA cat sleeps .\n"                      # 9
-        "9_z.jpg#0\tAn image in no split .\n")             # 10
+        "9_z.jpg#0\tAn image in no split .\n"             # 10
+        "4_d.jpg#0\t \n")                                  # 11: 4_d's only caption, empty
     (text / "train.txt").write_text("1_a.jpg\n2_b.jpg\n1_a.jpg\n")  # line 3: listed twice
-    (text / "dev.txt").write_text("3_c.jpg\n4_d.jpg\n")  # 4_d has no caption
+    (text / "dev.txt").write_text("3_c.jpg\n4_d.jpg\n")  # 4_d has no usable caption
     return tmp_path
 
 
@@ -48,13 +51,32 @@ def test_flickr_reads_captions_and_reports_every_quirk(flickr: Path) -> None:
     assert [c.origin.line for c in records["1_a"].captions] == [1, 2]
     assert records["2_b"].split == "train" and records["3_c"].split == "dev"
     assert records["3_c"].path == flickr / "images/3_c.jpg" and records["3_c"].file == "3_c.jpg"
-    assert sorted(reasons(source), key=str) == sorted([
+    assert sorted(reasons(source.problems), key=str) == sorted([
         ("missing_split_file", None),  # test list absent and not asked for: reported, left out
         ("duplicate_image", 3),        # train.txt line 3
-        ("no_captions", 2),            # dev.txt line 2
-        ("odd_key", 4), ("duplicate_key", 5), ("empty_caption", 6), ("malformed", 7)], key=str)
+        ("no_captions", 2),            # dev.txt line 2 (its empty caption, line 11, not again)
+        ("odd_key", 4), ("duplicate_key", 5), ("malformed", 7)], key=str)
     odd = next(p for p in source.problems if p.reason == "odd_key")
     assert odd.origin.file.endswith("tokens.txt") and "2_b.jpg.1#0" in str(odd)
+    no_captions = next(p for p in source.problems if p.reason == "no_captions")
+    assert "4_d.jpg#0" in no_captions.detail
+    # a written image's skipped captions go with it (reported when its shard is written)
+    assert reasons(records["2_b"].dropped) == [("empty_caption", 6)]
+
+
+def append_line(path: Path, line: bytes) -> None:
+    with path.open("ab") as stream:
+        stream.write(line + b"\n")
+
+
+def test_flickr_lines_that_are_not_utf8_are_reported_and_skipped(flickr: Path) -> None:
+    append_line(flickr / "text/tokens.txt", b"3_c.jpg#1\t" + NOT_UTF8)  # line 12
+    append_line(flickr / "text/dev.txt", b"5_" + NOT_UTF8 + b".jpg")    # line 3
+    source = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
+    assert sorted(r.image_id for r in source.records) == ["1_a", "2_b", "3_c"]
+    bad = [(Path(p.origin.file).name, p.origin.line, p.split) for p in source.problems
+           if p.reason == "not_utf8"]
+    assert bad == [("dev.txt", 3, "dev"), ("tokens.txt", 12, None)]
 
 
 def test_flickr_requested_split_without_list_is_a_clear_error(flickr: Path) -> None:
@@ -90,11 +112,32 @@ def test_karpathy_json_flickr_and_coco_styles(tmp_path: Path) -> None:
     assert coco.path == tmp_path / "images/val2014/COCO_val2014_000000000042.jpg"
     assert [c.text for c in coco.captions] == ["A man rides a horse.", "a horse"]
     assert flickr.image_id == "1_a" and flickr.split == "test"
+    assert [(p.reason, p.origin.item) for p in coco.dropped] == [
+        ("empty_caption", "images[0].sentences[2]")]
     assert [(p.reason, p.origin.item) for p in source.problems] == [
-        ("empty_caption", "images[0].sentences[2]"), ("duplicate_image", "images[2]"),
-        ("malformed", "images[3]"), ("empty_caption", "images[4].sentences[0]"),
-        ("no_captions", "images[4]")]
+        ("duplicate_image", "images[2]"), ("malformed", "images[3]"), ("no_captions", "images[4]")]
     assert rename_splits(source, {"restval": "train"}).records[0].split == "train"
+
+
+def test_karpathy_bad_bytes_skip_the_sentence_or_image_that_holds_them(tmp_path: Path) -> None:
+    data = {"images": [
+        {"filename": "0.jpg", "split": "train", "sentences": [{"raw": "A dog."}, {"raw": "@"}]},
+        {"filename": "1.jpg", "split": "train", "sentences": [{"raw": "@"}]},
+        {"filename": "@.jpg", "split": "train", "sentences": [{"raw": "A cat."}]},
+        {"filename": "3.jpg", "split": "@", "sentences": [{"raw": "A cat."}]},
+        {"filename": "4.jpg", "split": "val", "sentences": [{"raw": "A cow."}]}]}
+    path = tmp_path / "dataset.json"
+    path.write_bytes(json.dumps(data).encode().replace(b"@", NOT_UTF8))
+    source = read_karpathy(path, tmp_path)
+    kept, other = source.records
+    assert (kept.file, other.file) == ("0.jpg", "4.jpg")
+    assert [c.text for c in kept.captions] == ["A dog."]
+    (bad,) = kept.dropped
+    assert (bad.reason, bad.origin.item) == ("not_utf8", "images[0].sentences[1]")
+    assert "caf\\xe9" in bad.detail and "UTF-8" in bad.detail
+    assert [(p.reason, p.origin.item) for p in source.problems] == [
+        ("no_captions", "images[1]"), ("not_utf8", "images[2]"), ("not_utf8", "images[3]")]
+    assert all(p.origin.file == str(path) for p in source.problems)
 
 
 def test_karpathy_rejects_other_json(tmp_path: Path) -> None:
@@ -123,9 +166,20 @@ def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
                                                       [[1.0, 2.0, 10.0, 12.0]])
     assert a.path == tmp_path / "imgs/a.jpg" and [c.origin.line for c in a.captions] == [1, 1]
     assert (b.split, b.path) == ("test", Path("/abs/b.png"))
-    assert reasons(source) == [("malformed", 3), ("malformed", 4), ("bad_boxes", 5),
-                               ("empty_caption", 6), ("empty_caption", 6), ("no_captions", 6),
-                               ("duplicate_image", 7)]
+    assert reasons(source.problems) == [("malformed", 3), ("malformed", 4), ("bad_boxes", 5),
+                               ("no_captions", 6), ("duplicate_image", 7)]  # line 6: one image
+
+
+def test_jsonl_line_that_is_not_utf8_is_reported_and_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"")
+    for name, caption in (("a", b"A dog."), ("b", NOT_UTF8), ("c", b"A cat.")):
+        append_line(path, b'{"image": "%s.jpg", "captions": ["%s"]}' % (name.encode(), caption))
+    source = read_jsonl(path, tmp_path, "train")
+    assert [r.image_id for r in source.records] == ["a", "c"]
+    (problem,) = source.problems
+    assert (problem.reason, problem.origin.line, problem.split) == ("not_utf8", 2, None)
+    assert str(problem).startswith(f"{path}:2: not_utf8: byte 0xe9 ")
 
 
 def test_image_key_is_a_safe_webdataset_key() -> None:
