@@ -20,7 +20,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from featurizer.parsing import ParserUnavailable
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import (
     FLICKR8K_IMAGES,
@@ -34,6 +33,7 @@ from featurizer.sources import (
 )
 from featurizer.synthetic import DEFAULT_NUM_TRAIN, DEFAULT_NUM_VAL, generate
 from featurizer.wordvecs import learn_word_vectors
+from trainer.cli import add_debug_flag, one_line_errors
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     wordvecs.add_argument("--dim", type=int, default=200, help="vector size (paper: 200)")
     wordvecs.add_argument("--epochs", type=int, default=10, help="passes over the captions")
     wordvecs.add_argument("--seed", type=int, default=0)
+    for command in commands.choices.values():
+        add_debug_flag(command)
     return parser
 
 
@@ -172,22 +174,22 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with one_line_errors(f"{parser.prog} {args.source}", args.debug):
+        run(args, argv)
+    return 0
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    """The subcommand's work, and its summary on stdout."""
     if args.source == "wordvecs":
-        try:
-            count = learn_word_vectors(args.shards, args.out, args.dim, epochs=args.epochs,
-                                       seed=args.seed)
-        except FileNotFoundError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        count = learn_word_vectors(args.shards, args.out, args.dim, epochs=args.epochs,
+                                   seed=args.seed)
         print(f"{count} word vectors of size {args.dim} written to {args.out}")
-        return 0
-    try:
-        manifest = featurize(read_source(args), settings_from(args, argv))
-    except (ValueError, FileNotFoundError, ParserUnavailable) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return
+    manifest = featurize(read_source(args), settings_from(args, argv))
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['images']} images, {counts['captions']} captions, "
               f"{counts['triplets']} triplets, {len(counts['shards'])} shards, "
@@ -195,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     vocab = manifest["vocabulary"]
     print(f"vocabulary: {vocab['words']} words, relations {vocab['relations']}; "
           f"{manifest['skipped']['count']} inputs skipped; manifest in {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -240,11 +240,10 @@ def test_cli_jsonl_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "f8k").mkdir()
     (tmp_path / "f8k/tokens.txt").write_text("a.jpg#0\tA dog .\n")
     (tmp_path / "f8k/train.txt").write_text("a.jpg\n")
-    code = main(["flickr", "--root", str(tmp_path / "f8k"), "--token-file", "tokens.txt",
-                 "--split-file", "train=train.txt", "--split-file", "test=test.txt",
-                 "--splits", "train", "test", "--out", str(tmp_path / "f8k_out"),
-                 "--parser", "spacy"])
-    assert code == 2 and "test.txt does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="featurizer flickr: error: .*test.txt does not exist"):
+        main(["flickr", "--root", str(tmp_path / "f8k"), "--token-file", "tokens.txt",
+              "--split-file", "train=train.txt", "--split-file", "test=test.txt",
+              "--splits", "train", "test", "--out", str(tmp_path / "f8k_out"), "--parser", "spacy"])
 
 
 def test_cli_reports_a_line_that_is_not_utf8_once_and_goes_on(
