@@ -7,17 +7,19 @@
 - `read_jsonl`: one `{"image": path, "captions": [...], "split": ..., "boxes"?: [[x1,y1,x2,y2]]}`
   per line; relative image paths are relative to the images folder.
 
-Bad entries (odd or duplicate keys, malformed lines, lines that are not UTF-8) become `Problem`s
-with their file and line, one per skipped input; a caption the source cannot use goes with its
-image (`ImageRecord.dropped`), so an image left without captions is one `no_captions` problem.
-A JSON document is decoded with its bad bytes kept aside: the sentence or image entry that holds
-them is skipped, named by its item path. Only a missing token/JSON file or an explicitly
-requested split that does not exist is an error. Image files are opened later, by the shard
-writers.
+Every file is UTF-8, a leading byte-order mark ignored. Bad entries (odd or duplicate keys,
+malformed lines, lines that are not UTF-8) become `Problem`s with their file and line, one per
+skipped input; a caption the source cannot use goes with its image (`ImageRecord.dropped`), so an
+image left without captions is one `no_captions` problem. A JSON document is decoded with its bad
+bytes kept aside; they, and JSON escapes of half a surrogate pair (`"\\udce9"`: valid JSON, not
+writable as UTF-8), make the caption, sentence or entry that holds them `not_utf8`, named by line
+or item path. Only a missing token/JSON file or an explicitly requested split that does not exist
+is an error. Image files are opened later, by the shard writers.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -50,9 +52,11 @@ FLICKR8K_SPLIT_FILES = {
     "test": "Flickr8k_text/Flickr_8k.testImages.txt",
 }
 _TOKEN_KEY = re.compile(r"^(?P<name>[^#\t]+\.(?:jpe?g|png))#(?P<index>\d+)$", re.IGNORECASE)
-_BAD_BYTE = re.compile("[\udc80-\udcff]")  # a byte that was not UTF-8, decoded "surrogateescape"
-_RESAVE = ("the file must be UTF-8: fix it there, or convert a file that is all Latin-1 with "
-           "iconv -f latin1 -t utf-8")
+# A lone surrogate: a byte that was not UTF-8 (decoded "surrogateescape", U+DC80..U+DCFF) or a
+# JSON escape of half a surrogate pair; neither can be written as UTF-8.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_RESAVE = ("the file must be UTF-8, without \\uXXXX escapes of half a surrogate pair: fix it "
+           "there, or convert a file that is all Latin-1 with iconv -f latin1 -t utf-8")
 
 
 @dataclass
@@ -76,11 +80,13 @@ class Source:
 
 def _text_lines(path: Path, source: Source,
                 split: str | None = None) -> Iterator[tuple[Origin, str]]:
-    """The non-blank lines of a UTF-8 text file with their origins; a line that is not UTF-8 is
-    reported and left out, the others are read on."""
+    """The non-blank lines of a UTF-8 text file with their origins (a leading byte-order mark
+    ignored); a line that is not UTF-8 is reported and left out, the others are read on."""
     with path.open("rb") as stream:
         for number, raw in enumerate(stream, start=1):
             origin = Origin(str(path), number)
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
@@ -182,7 +188,7 @@ def _read_token_file(
 def read_karpathy(json_file: Path, images_dir: Path) -> Source:
     """Read a Karpathy-split JSON file; image paths are `images_dir/filepath/filename`."""
     try:
-        data = json.loads(Path(json_file).read_bytes().decode("utf-8", "surrogateescape"))
+        data = json.loads(Path(json_file).read_bytes().decode("utf-8-sig", "surrogateescape"))
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{json_file}: cannot read the Karpathy-split JSON ({err})") from err
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
@@ -199,10 +205,8 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
             continue
         file = "/".join(part for part in (image.get("filepath", ""), image["filename"]) if part)
         split = image["split"]
-        if _BAD_BYTE.search(file + split):
-            source.problems.append(Problem(origin, NOT_UTF8, f"file {_shown(file)} or split "
-                                                             f"{_shown(split)} is not UTF-8; "
-                                                             f"image skipped ({_RESAVE})"))
+        if bad := _not_utf8(origin, {"file": file, "split": split}, "image"):
+            source.problems.append(bad)
             continue
         captions, dropped = [], []
         for j, sentence in enumerate(image["sentences"]):
@@ -210,10 +214,8 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
             text = _sentence_text(sentence)
             if not text:
                 dropped.append(Problem(where, EMPTY_CAPTION, f"sentence {j} is empty", split))
-            elif _BAD_BYTE.search(text):
-                dropped.append(Problem(where, NOT_UTF8, f"sentence {j} {_shown(text)} is not "
-                                                        f"UTF-8; sentence skipped ({_RESAVE})",
-                                       split))
+            elif bad := _not_utf8(where, {f"sentence {j}": text}, "sentence", split):
+                dropped.append(bad)
             else:
                 captions.append(Caption(text, where))
         _add_with_captions(source, seen, ImageRecord(
@@ -222,9 +224,23 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
     return source
 
 
+def _not_utf8(origin: Origin, texts: dict[str, str], skipped: str,
+              split: str | None = None) -> Problem | None:
+    """A `not_utf8` problem naming the first of `texts` (by label) that holds a lone surrogate."""
+    for label, text in texts.items():
+        if _LONE_SURROGATE.search(text):
+            return Problem(origin, NOT_UTF8, f"{label} {_shown(text)} is not UTF-8; {skipped} "
+                                             f"skipped ({_RESAVE})", split)
+    return None
+
+
 def _shown(text: str) -> str:
-    """`text` quoted, with its bytes that were not UTF-8 written as \\xNN."""
-    return "'" + text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") + "'"
+    """`text` quoted, its bytes that were not UTF-8 written as \\xNN, other lone surrogates as
+    \\uXXXX (so a report can be written as UTF-8)."""
+    def escape(match: re.Match) -> str:
+        code = ord(match[0])
+        return f"\\x{code - 0xdc00:02x}" if code >= 0xdc80 else f"\\u{code:04x}"
+    return "'" + _LONE_SURROGATE.sub(escape, text) + "'"
 
 
 def _sentence_text(sentence: object) -> str:
@@ -259,6 +275,9 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
                                            'needs "image" (a path) and "captions" (a list)'))
             continue
         split = entry.get("split", default_split)
+        if bad := _not_utf8(origin, {"image": entry["image"], "split": split}, "line"):
+            source.problems.append(bad)
+            continue
         boxes = entry.get("boxes")
         if boxes is not None and not _valid_boxes(boxes):
             source.problems.append(Problem(origin, BAD_BOXES, '"boxes" must be a list of '
@@ -267,10 +286,12 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
         captions, dropped = [], []
         for j, text in enumerate(entry["captions"]):
             where = replace(origin, item=f"captions[{j}]")
-            if isinstance(text, str) and text.strip():
-                captions.append(Caption(text.strip(), where))
-            else:
+            if not (isinstance(text, str) and text.strip()):
                 dropped.append(Problem(where, EMPTY_CAPTION, f"caption {text!r} is empty", split))
+            elif bad := _not_utf8(where, {f"caption {j}": text}, "caption", split):
+                dropped.append(bad)
+            else:
+                captions.append(Caption(text.strip(), where))
         path = Path(entry["image"])
         _add_with_captions(source, seen, ImageRecord(
             image_id=image_key(entry["image"]), split=split, path=images_dir / path,

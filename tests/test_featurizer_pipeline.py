@@ -264,6 +264,26 @@ def test_cli_reports_a_line_that_is_not_utf8_once_and_goes_on(
     assert len(reports) == 1 and "not_utf8: byte 0xe9" in reports[0] and "UTF-8" in reports[0]
 
 
+def test_cli_escaped_lone_surrogates_are_reported_and_the_run_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    write_image(tmp_path / "data/images/extra.jpg", 9)
+    with jsonl.open("a") as stream:  # valid JSON escapes of half a surrogate pair: not UTF-8
+        stream.write('{"image": "images/a.jpg", "captions": ["caf\\udce9"], "split": "train"}\n'
+                     '{"image": "images/extra.jpg", "captions": ["A dog runs .", "\\ud83d"], '
+                     '"split": "train"}\n')
+    out = tmp_path / "out"
+    assert main(["jsonl", "--jsonl", str(jsonl), "--out", str(out), "--parser", "spacy",
+                 "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["images"] == 4
+    assert manifest["splits"]["train"]["skipped"] == {"no_captions": 1, "not_utf8": 1}
+    items = {(i["reason"], i["line"], i["item"]) for i in manifest["skipped"]["items"]}
+    assert items == {("no_captions", 4, ""), ("not_utf8", 5, "captions[1]")}
+    reports = [r.getMessage() for r in caplog.records if f"{jsonl}:4:" in r.getMessage()]
+    assert len(reports) == 1 and "'caf\\xe9' is not UTF-8" in reports[0]
+
+
 def test_cli_karpathy_with_split_map(tmp_path: Path) -> None:
     for i in range(3):
         write_image(tmp_path / f"images/val2014/COCO_{i}.jpg", i)

@@ -140,6 +140,36 @@ def test_karpathy_bad_bytes_skip_the_sentence_or_image_that_holds_them(tmp_path:
     assert all(p.origin.file == str(path) for p in source.problems)
 
 
+def test_karpathy_escaped_lone_surrogates_skip_the_sentence_or_image(tmp_path: Path) -> None:
+    # valid JSON, but half a surrogate pair cannot be written as UTF-8 (the shard writer's error)
+    text = json.dumps({"images": [
+        {"filename": "0.jpg", "split": "train", "sentences": [{"raw": "A dog."},
+                                                              {"raw": "smile \ud83d"}]},
+        {"filepath": "@", "filename": "1.jpg", "split": "train", "sentences": [{"raw": "A cat."}]},
+        {"filename": "2.jpg", "split": "val", "sentences": [{"raw": "\ud83d\ude00 a pair"}]}]})
+    path = tmp_path / "dataset.json"
+    path.write_text(text.replace("@", "\\ud800"))  # json.dumps escapes the others itself
+    source = read_karpathy(path, tmp_path)
+    kept, pair = source.records
+    assert [c.text for c in kept.captions] == ["A dog."]
+    (bad,) = kept.dropped
+    assert (bad.reason, bad.origin.item) == ("not_utf8", "images[0].sentences[1]")
+    assert "'smile \\ud83d'" in bad.detail
+    assert [(p.reason, p.origin.item) for p in source.problems] == [("not_utf8", "images[1]")]
+    assert "\\ud800" in source.problems[0].detail
+    assert pair.captions[0].text == "\U0001f600 a pair"  # a whole pair is one character
+    for problem in (bad, *source.problems):
+        str(problem).encode()  # reports can be written as UTF-8
+
+
+def test_karpathy_file_with_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "dataset.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"images": [
+        {"filename": "0.jpg", "split": "train", "sentences": [{"raw": "A dog."}]}]}).encode())
+    source = read_karpathy(path, tmp_path)
+    assert [r.file for r in source.records] == ["0.jpg"] and source.problems == []
+
+
 def test_karpathy_rejects_other_json(tmp_path: Path) -> None:
     path = tmp_path / "x.json"
     path.write_text('{"annotations": []}')
@@ -180,6 +210,43 @@ def test_jsonl_line_that_is_not_utf8_is_reported_and_skipped(tmp_path: Path) -> 
     (problem,) = source.problems
     assert (problem.reason, problem.origin.line, problem.split) == ("not_utf8", 2, None)
     assert str(problem).startswith(f"{path}:2: not_utf8: byte 0xe9 ")
+
+
+def test_jsonl_escaped_lone_surrogates_are_reported_and_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text(  # written as JSON escapes: valid JSON, but not writable as UTF-8
+        '{"image": "a.jpg", "captions": ["A dog.", "caf\\udce9"], "split": "train"}\n'
+        '{"image": "b.jpg", "captions": ["caf\\udce9"], "split": "train"}\n'
+        '{"image": "caf\\udce9.jpg", "captions": ["A cat."], "split": "train"}\n'
+        '{"image": "d.jpg", "captions": ["A cow."], "split": "\\ud83d"}\n'
+        '{"image": "e.jpg", "captions": ["\\ud83d\\ude00 a pair"], "split": "train"}\n')
+    source = read_jsonl(path, tmp_path, "train")
+    a, e = source.records
+    assert [c.text for c in a.captions] == ["A dog."] and e.captions[0].text == "\U0001f600 a pair"
+    (bad,) = a.dropped
+    assert (bad.reason, bad.origin.line, bad.origin.item) == ("not_utf8", 1, "captions[1]")
+    assert str(bad).startswith(f"{path}:1 [captions[1]]: not_utf8: caption 1 'caf\\xe9' is not")
+    assert reasons(source.problems) == [("no_captions", 2), ("not_utf8", 3), ("not_utf8", 4)]
+    assert "not UTF-8" in source.problems[0].detail and "\\ud83d" in source.problems[2].detail
+    for problem in (bad, *source.problems):
+        str(problem).encode()  # reports can be written as UTF-8
+
+
+def test_jsonl_file_with_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"image": "a.jpg", "captions": ["A dog."]})
+                     .encode() + b"\n")
+    source = read_jsonl(path, tmp_path, "train")
+    assert [r.image_id for r in source.records] == ["a"] and source.problems == []
+
+
+def test_flickr_files_with_a_byte_order_mark(flickr: Path) -> None:
+    before = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
+    for name in ("tokens.txt", "train.txt"):
+        text = flickr / "text" / name
+        text.write_bytes(b"\xef\xbb\xbf" + text.read_bytes())
+    after = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
+    assert after.records == before.records and reasons(after.problems) == reasons(before.problems)
 
 
 def test_image_key_is_a_safe_webdataset_key() -> None:
