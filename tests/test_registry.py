@@ -275,3 +275,18 @@ def test_download_command_end_to_end(store: tuple[Tracker, DeFragModel], tmp_pat
     model, config, _ = load_model_folder(dst)
     assert_same_weights(model, second)
     assert config.seed == 3
+
+
+def test_register_command_registers_a_saved_folder_later(
+        saved: tuple[Path, DeFragModel, Config], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """What a run whose registration failed prints to do: register its `best/` from the run."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.start(saved[2], tmp_path / "run", rank=0)
+    tracker.finish()
+    main(["register", str(saved[0]), "--run-id", tracker.run_id,
+          "--tracking-uri", tracker.tracking_uri])
+    assert capsys.readouterr().out.strip() == "models:/defrag/1"
+    model, _, _ = load_model_folder(download_model("models:/defrag@champion", tmp_path / "dl",
+                                                   tracker.tracking_uri))
+    assert_same_weights(model, saved[1])

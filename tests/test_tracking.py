@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import shlex
 import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,10 +24,22 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image
 
+from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
+from trainer.distributed import DistContext
+from trainer.preemption import REQUEST, Preempted
 from trainer.registry import download_model, save_model_folder, verify_model_folder
-from trainer.tracking import HTTP_DEFAULTS, Tracker, TrackingUnavailable, flatten
+from trainer.tracking import (
+    HTTP_DEFAULTS,
+    RegistrationFailed,
+    Tracker,
+    TrackingUnavailable,
+    flatten,
+    sync,
+)
 from trainer.vocab import Vocabulary
+
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +78,65 @@ def tracker_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def picture() -> Image.Image:
     return Image.new("RGB", (32, 24), (200, 30, 30))
+
+
+class MlflowServer:
+    """A real `mlflow server` on a free 127.0.0.1 port, its store and artifacts in `root`;
+    `stop()` it and `start()` it again on the same port with the same store."""
+
+    def __init__(self, root: Path, empty_store: Path) -> None:
+        self.root, self.backend = root, copy_store(empty_store, root)
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
+             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240  # slow on a loaded machine (~45 s seen)
+        while True:
+            try:
+                requests.get(f"{self.uri}/health", timeout=5)
+                return
+            except requests.RequestException:
+                assert self.process.poll() is None and time.monotonic() < deadline, "no server"
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory,
+                  empty_store: Path) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path_factory.mktemp("server"), empty_store)
+    yield server
+    if server.process is not None:
+        server.stop()
+
+
+@pytest.fixture
+def mlflow_server(module_server: MlflowServer) -> MlflowServer:
+    """One server for this file's tests, running at each test's start (a test may stop it)."""
+    module_server.start()
+    return module_server
+
+
+def training_config(run_dir: Path, shards: Path, **sections: dict) -> Config:
+    """A tiny real training: 2 epochs of 10 steps on the synthetic shards, every step logged."""
+    config = {
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
+        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
+        "optim": {"batch_size": 20, "epochs": 2, "frozen_cnn_epochs": 2},
+        "run": {"run_dir": str(run_dir), "log_every_steps": 1, "nonfinite_loss": "stop"},
+    }
+    return Config.from_dict({k: {**v, **sections.get(k, {})} for k, v in config.items()})
 
 
 def test_run_in_embedded_store_logs_everything(tmp_path: Path) -> None:
@@ -140,8 +215,8 @@ def test_run_closed_by_context_manager_records_the_failure(tmp_path: Path,
     with pytest.raises(RuntimeError, match="diverged"), \
             Tracker.start(Config(), tmp_path / "run", rank=0) as tracker:
         raise RuntimeError("diverged")
-    status = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(tracker.run_id).info.status
-    assert status == "FAILED"
+    run = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(tracker.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: diverged"
 
 
 def test_unreachable_server_fails_fast_with_advice(
@@ -181,18 +256,26 @@ def test_store_failing_mid_run_never_raises(
     tracker.log_image(picture(), "b.png")
     assert time.monotonic() - began < 10
     warnings = tracker_messages(caplog)
-    assert len(warnings) == 3  # one per kind: metrics, artifacts, images
+    assert len(warnings) == 2  # one per kind: metrics, artifacts
     assert all("training continues" in w for w in warnings)
-    assert tracker._failures == {"metrics": 1, "artifacts": 1, "images": 2}  # then paused
+    assert tracker._failures == {"metrics": 1, "artifacts": 1}  # then paused
+    images = run_dir / "tracking-spool" / tracker.run_id / "images"
+    assert sorted(p.name for p in images.iterdir()) == ["a.png", "b.png"]  # wait, not tried
 
     with sqlite3.connect(run_dir / "mlflow.db") as db:  # the store comes back
         db.execute("ALTER TABLE metrics_away RENAME TO metrics")
-    tracker.finish()  # sends the buffered metrics, closes the run, reports the losses
+    tracker.finish()  # sends the metrics, closes the run; the pictures cannot go yet
     summary = tracker_messages(caplog)[-1]
-    assert "failed calls {'metrics': 1, 'artifacts': 1, 'images': 2}" in summary
+    assert "failed calls {'metrics': 1, 'artifacts': 1, 'images': 1}" in summary
+    assert f"python -m trainer.tracking sync {run_dir.resolve()}` sends it" in summary
     client = MlflowClient(tracking_uri=tracker.tracking_uri)
     assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == list(range(6))
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+    (run_dir / "mlartifacts").unlink()  # the artifact store comes back too
+    assert sync(run_dir) == [f"run {tracker.run_id} in {tracker.tracking_uri}: sent metrics 0, "
+                             "pictures 2, status unchanged"]
+    assert {a.path for a in client.list_artifacts(tracker.run_id)} >= {"a.png", "b.png"}
 
 
 def test_invalid_metrics_are_dropped_not_retried_forever(
@@ -209,42 +292,53 @@ def test_invalid_metrics_are_dropped_not_retried_forever(
     assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [1]
 
 
+
+def test_spool_skips_a_line_cut_short_and_sends_the_rest(
+        tmp_path: Path, empty_store: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Metrics the store refuses wait in the run folder as JSON lines; a line that a kill cut
+    short is skipped with a warning, the records around it are sent, each once."""
+    run_dir = tmp_path / "run"
+    copy_store(empty_store, run_dir)
+    tracker = Tracker.start(Config(), run_dir, rank=0)
+    tracker.flush_seconds = tracker.pause_seconds = 0.0
+    with sqlite3.connect(run_dir / "mlflow.db") as db:
+        db.execute("ALTER TABLE metrics RENAME TO metrics_away")
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    spooled = run_dir / "tracking-spool" / tracker.run_id / "metrics.jsonl"
+    first_line = spooled.read_text()
+    with spooled.open("a") as stream:
+        stream.write('{"key": "loss", "val')  # the process was killed mid-write
+    tracker.log_metrics({"loss": 0.5}, step=1)
+    with sqlite3.connect(run_dir / "mlflow.db") as db:
+        db.execute("ALTER TABLE metrics_away RENAME TO metrics")
+    tracker.finish()
+    assert any(f"{spooled}: the line at byte {len(first_line)} is not a complete record" in m
+               for m in tracker_messages(caplog))
+    client = MlflowClient(tracking_uri=tracker.tracking_uri)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [0, 1]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert not (run_dir / "tracking-spool").exists()
+
+
 @pytest.mark.slow
-def test_server_dying_mid_run_never_raises(
-        tmp_path: Path, empty_store: Path, monkeypatch: pytest.MonkeyPatch,
+def test_server_dying_mid_run_spools_what_it_could_not_send(
+        tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """A real `mlflow server` on a free port: track and register a model through it (artifacts
-    proxied by the server), kill it, keep logging."""
-    uri = f"http://127.0.0.1:{free_port()}"
-    backend = copy_store(empty_store, tmp_path / "server")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
-         "--artifacts-destination", str(tmp_path / "server" / "artifacts"),
-         "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1], "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240  # slow on a loaded machine (~45 s seen)
-        while True:
-            try:
-                requests.get(f"{uri}/health", timeout=5)
-                break
-            except requests.RequestException:
-                assert server.poll() is None and time.monotonic() < deadline, "no server"
-                time.sleep(0.5)
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        tracker = Tracker.start(Config(), tmp_path / "run", rank=0)
-        tracker.log_metrics({"loss": 1.0}, step=0)
-        tracker.flush()
-        tracker.log_image(picture(), "before.png")
-        client = MlflowClient(tracking_uri=uri)
-        assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [0]
-        folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
-                                   Vocabulary(words=["dog"], relations=["nsubj"]))
-        assert tracker.register_model(folder) == "1"
-        verify_model_folder(download_model("models:/defrag@champion", tmp_path / "dl", uri))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    """Track and register a model through a real `mlflow server` (artifacts proxied by it), stop
+    it, keep logging: what was not sent waits in the run folder, and `sync` sends it later."""
+    uri, run_dir = mlflow_server.uri, tmp_path / "run"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tracker = Tracker.start(Config(), run_dir, rank=0)
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    tracker.flush()
+    tracker.log_image(picture(), "before.png")
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [0]
+    folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
+                               Vocabulary(words=["dog"], relations=["nsubj"]))
+    version = tracker.register_model(folder)
+    verify_model_folder(download_model(f"models:/defrag/{version}", tmp_path / "dl", uri))
+    mlflow_server.stop()
 
     caplog.set_level(logging.WARNING, logger="trainer.tracking")
     began = time.monotonic()
@@ -255,5 +349,143 @@ def test_server_dying_mid_run_never_raises(
     assert time.monotonic() - began < 30  # bounded retries, not MLflow's minutes of backoff
     messages = tracker_messages(caplog)
     assert any("metrics failed" in m and "training continues" in m for m in messages)
-    assert any("images failed" in m for m in messages)
-    assert "incomplete" in messages[-1]
+    assert f"python -m trainer.tracking sync {run_dir.resolve()}" in messages[-1]
+    assert (run_dir / "tracking-spool" / tracker.run_id / "images" / "after.png").is_file()
+
+    mlflow_server.start()
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    assert sync(run_dir) == [f"run {tracker.run_id} in {uri}: sent metrics 1, pictures 1, "
+                             "status FINISHED"]
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [0, 1]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(tracker.run_id)} >= {"before.png", "after.png"}
+    assert sync(run_dir) == [f"{run_dir}: nothing spooled"]
+
+
+@pytest.mark.slow
+def test_server_that_never_answers_costs_timeouts_not_a_hang(
+        tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's port taken over by a socket that accepts connections and never answers:
+    one request's timeouts, then short probes; everything waits in the run folder."""
+    uri, run_dir = mlflow_server.uri, tmp_path / "run"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tracker = Tracker.start(Config(), run_dir, rank=0)
+    tracker.flush_seconds = 0.0  # every log_metrics call would send
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
+                               Vocabulary(words=["dog"], relations=["nsubj"]))
+    mlflow_server.stop()
+    with socket.socket() as hole:
+        hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hole.bind(("127.0.0.1", mlflow_server.port))
+        hole.listen(100)
+        began = time.monotonic()
+        for step in range(1, 50):
+            tracker.log_metrics({"loss": 1.0 - step / 100}, step=step)
+        tracker.log_image(picture(), "alignments/epoch-000.png")
+        with pytest.raises(RegistrationFailed, match="timed out"):
+            tracker.register_model(folder)
+        tracker.finish()
+        # one log_batch with HTTP_DEFAULTS' retries (~63 s), then two 5 s probes (PROBE);
+        # without the pause and the probes: 5 calls of ~63 s
+        assert time.monotonic() - began < 120
+
+    mlflow_server.start()
+    assert sync(run_dir) == [f"run {tracker.run_id} in {uri}: sent metrics 49, pictures 1, "
+                             "status FINISHED"]
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == list(range(50))
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(tracker.run_id, "alignments")] == [
+        "alignments/epoch-000.png"]
+
+
+def runs_of(client: MlflowClient, run_dir: Path) -> list:
+    """The MLflow runs that trained into `run_dir` (its param run.run_dir)."""
+    experiment = client.get_experiment_by_name("defrag").experiment_id
+    return client.search_runs([experiment], f"params.`run.run_dir` = '{run_dir}'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["lr 1e20", "a checkpoint of another model"])
+def test_failed_training_ends_its_run_failed_with_the_error(
+        failure: str, tmp_path: Path, shards: Path, mlflow_server: MlflowServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception after the tracker started closes the run FAILED, the error as its tag; a
+    preempted run stays KILLED."""
+    from trainer.main import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    client, run_dir = MlflowClient(tracking_uri=mlflow_server.uri), tmp_path / "run"
+    if failure == "lr 1e20":  # the first update overflows; run.nonfinite_loss=stop
+        cfg = training_config(run_dir, shards, optim={"lr": 1e20})
+    else:  # one step, a checkpoint, preempted; then resumed with a wider model
+        run_dir.mkdir()
+        (run_dir / REQUEST).touch()
+        with pytest.raises(Preempted):
+            train(training_config(run_dir, shards), CPU, resume="latest")
+        [preempted] = runs_of(client, run_dir)
+        assert preempted.info.status == "KILLED"
+        cfg = training_config(run_dir, shards, model={"embed_dim": 32})
+    with pytest.raises(Exception) as failed:
+        train(cfg, CPU, resume="latest")
+    [run] = runs_of(client, run_dir)
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert run.data.tags["error"] == f"{type(failed.value).__name__}: {failed.value}"[:5000]
+
+
+@pytest.mark.slow
+def test_registration_failing_at_the_end_is_reported_and_can_be_done_later(
+        tmp_path: Path, shards: Path, mlflow_server: MlflowServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server stops after epoch 0 of 2: the training goes on, what it could not send waits in
+    the run folder, and the registration fails loudly with the command that does it later."""
+    from trainer.main import train
+    from trainer.train import Trainer
+
+    end_epoch = Trainer.end_epoch
+
+    def end_epoch_then_stop_the_server(self: Trainer, epoch: int, train_seconds: float) -> None:
+        end_epoch(self, epoch, train_seconds)
+        if epoch == 0:
+            mlflow_server.stop()
+
+    monkeypatch.setattr(Trainer, "end_epoch", end_epoch_then_stop_the_server)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    uri, run_dir = mlflow_server.uri, tmp_path / "run"
+    with pytest.raises(RegistrationFailed) as failed:
+        train(training_config(run_dir, shards), CPU, resume="none")
+    summary = failed.value.summary
+    run_id, later = summary["mlflow_run_id"], summary["register_later"]
+    assert summary["registered"] is None and "Connection refused" in summary["registration_error"]
+    assert later.startswith(f"python -m trainer.registry register {run_dir.resolve() / 'best'} ")
+    assert later in str(failed.value)
+    assert (run_dir / "tracking-spool" / run_id / "images" / "alignments" /
+            "epoch-001.png").is_file()
+
+    mlflow_server.start()
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(run_id).info.status == "RUNNING"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run([sys.executable, "-m", "trainer.tracking", "sync", str(run_dir)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"run {run_id} in {uri}: sent metrics \d+, pictures 1, status FINISHED",
+                        done.stdout.strip()), done.stdout
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["error"].startswith("RegistrationFailed: ")
+    last_step = load_state(latest_checkpoint(run_dir)).global_step
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, last_step + 1))  # each step once, none lost
+    assert [a.path for a in client.list_artifacts(run_id, "alignments")] == [
+        "alignments/epoch-000.png", "alignments/epoch-001.png"]
+
+    done = subprocess.run([sys.executable, *shlex.split(later)[1:]], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    version = client.get_registered_model("defrag").aliases["champion"]
+    assert done.stdout.strip() == f"models:/defrag/{version}"
+    champion = download_model("models:/defrag@champion", tmp_path / "champion", uri)
+    assert ((champion / "weights.safetensors").read_bytes()
+            == (run_dir / "best" / "weights.safetensors").read_bytes())

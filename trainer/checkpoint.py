@@ -1,22 +1,40 @@
-"""Atomic checkpoints: each is written to a temporary folder, renamed when complete, and only
-then named by the `latest` file. A run killed at any moment resumes from the newest complete one.
+"""Atomic, verified checkpoints: each is written to a temporary folder, its checksums last, renamed
+when complete, and only then named by the `latest` file. A run killed at any moment resumes from
+the newest complete one; a write that fails (a full disk) raises CheckpointError naming the
+checkpoint and leaves `latest` as it was.
 
-    <run_dir>/checkpoints/step-00000120/   engine files (safetensors + optimizer, or DeepSpeed's)
-                                           and state.json (epoch, step, best val rsum, MLflow run)
+    <run_dir>/checkpoints/step-00000120/   engine files (safetensors + optimizer, or DeepSpeed's),
+                                           state.json (epoch, step, best val rsum, MLflow run) and
+                                           checksums.json (sha256 and size of every other file)
     <run_dir>/checkpoints/latest           the name of the newest complete checkpoint
+
+Resuming verifies every file (and refuses links out of the folder): `latest` falls back to the
+newest intact checkpoint, logging which it skipped and why; a named one must be intact.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from safetensors import SafetensorError
+
+from trainer.registry import verify_checksums, write_checksums
 
 TMP_PREFIX = "tmp-"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, or is damaged; the message names the file."""
 
 
 @dataclass
@@ -45,28 +63,49 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    engine.save(tmp, rank)
+    with _failure_named(tmp):
+        engine.save(tmp, rank)
     _barrier()
     final = root / name
     if rank == 0:
-        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_atomically(root / "latest", name)
+        with _failure_named(tmp):
+            (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+            write_checksums(tmp)  # last: a folder without them is never resumed
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _write_atomically(root / "latest", name)
         _prune(root, keep, final)
     _barrier()
     return final
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
+    """The newest intact checkpoint up to the one `latest` names (None without `latest`); each
+    damaged one skipped is logged with the reason."""
     pointer = checkpoints_dir(run_dir) / "latest"
     if not pointer.is_file():
         return None
-    folder = pointer.parent / pointer.read_text().strip()
-    if not (folder / "state.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {folder.name}, which is missing or incomplete; "
-                                "remove the pointer to start over or restore the folder")
+    named = pointer.read_text().strip()
+    older = sorted((p.name for p in pointer.parent.glob("step-*") if p.name < named), reverse=True)
+    skipped = []
+    for name in [named, *older]:
+        try:
+            folder = verify_checkpoint(pointer.parent / name)
+        except CheckpointError as err:
+            skipped.append(f"skipping checkpoint {name} ({err})")
+            continue
+        for line in skipped:
+            log.warning("%s; resuming from %s", line, name)
+        return folder
+    raise CheckpointError(f"no intact checkpoint in {pointer.parent}: {skipped[0]}; restore one, "
+                          "or start over with --resume none")
+
+
+def verify_checkpoint(folder: Path, advice: str = "") -> Path:
+    """`folder`, once every file matches its checksums; else CheckpointError naming the file."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
+    verify_checksums(folder, CheckpointError, "checkpoint", advice)
     return folder
 
 
@@ -79,6 +118,26 @@ def clear_partial(run_dir: Path) -> None:
     root = checkpoints_dir(run_dir)
     for leftover in root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []:
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextmanager
+def _failure_named(tmp: Path) -> Iterator[None]:
+    """Turn a failed write (a full disk) into one CheckpointError naming the checkpoint and what
+    `latest` still is; the partial folder is removed."""
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as err:
+        root = tmp.parent
+        detail = (str(err).splitlines() or [type(err).__name__])[0]
+        # safetensors removes its partial file; torch.save says only "unexpected pos"
+        if os.strerror(errno.ENOSPC) in detail or shutil.disk_usage(root).free < 1 << 20:
+            detail = f"the disk is full, ENOSPC ({detail})"
+        shutil.rmtree(tmp, ignore_errors=True)
+        pointer = root / "latest"
+        latest = pointer.read_text().strip() if pointer.is_file() else "none"
+        raise CheckpointError(f"cannot write checkpoint {root / tmp.name.removeprefix(TMP_PREFIX)}"
+                              f": {detail}; latest is still {latest}: free space (or fix the "
+                              "cause), then resume") from err
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:

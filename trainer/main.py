@@ -16,14 +16,20 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import TrainState, clear_partial, latest_checkpoint, load_state
+from trainer.checkpoint import (
+    TrainState,
+    clear_partial,
+    latest_checkpoint,
+    load_state,
+    verify_checkpoint,
+)
 from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
 from trainer.preemption import Preempted
 from trainer.shardset import load_vocabulary
-from trainer.tracking import Tracker
+from trainer.tracking import RegistrationFailed, Tracker
 from trainer.train import Trainer
 
 log = logging.getLogger("trainer")
@@ -41,17 +47,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    """The verified checkpoint `--resume` names: none, the newest intact one, or a folder."""
     if resume == "none":
         return None
     if resume == "latest":
         return latest_checkpoint(run_dir)
-    folder = Path(resume)
-    if not (folder / "state.json").is_file():
-        raise FileNotFoundError(f"--resume {resume}: not a checkpoint folder (no state.json)")
-    return folder
+    return verify_checkpoint(Path(resume), advice="resume another checkpoint (--resume latest "
+                                                   "takes the newest intact one)")
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
+    """Train and register the best model; the run's summary. A failed registration raises
+    RegistrationFailed carrying the summary, with the command that registers `best/` later."""
     run_dir = Path(cfg.run.run_dir)
     torch.manual_seed(cfg.seed)
     if ctx.is_main:
@@ -62,23 +69,28 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     checkpoint = find_checkpoint(resume, run_dir)
     state = load_state(checkpoint) if checkpoint else TrainState()
     tracker = Tracker.start(cfg, run_dir, ctx.rank, resume_run_id=state.mlflow_run_id)
-    trainer = Trainer(cfg, ctx, model, vocab, tracker, state)
-    if checkpoint:
-        trainer.resume(checkpoint)
-    try:
-        state = trainer.fit()
-    except Preempted:
-        tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
-        raise
-    summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_rsum,
-               "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
-               "tracking_uri": tracker.tracking_uri}
-    if ctx.is_main and state.best_epoch >= 0:
-        version = tracker.register_model(run_dir / "best", cfg.run.register_name,
-                                         cfg.run.register_alias)
-        summary["registered"] = f"models:/{cfg.run.register_name}@{cfg.run.register_alias}"
-        summary["version"] = version
-    tracker.finish()
+    with tracker:  # any exception ends the run FAILED, the error as its tag
+        trainer = Trainer(cfg, ctx, model, vocab, tracker, state)
+        if checkpoint:
+            trainer.resume(checkpoint)
+        try:
+            state = trainer.fit()
+        except Preempted:
+            tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
+            raise
+        summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_rsum,
+                   "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
+                   "tracking_uri": tracker.tracking_uri}
+        if ctx.is_main and state.best_epoch >= 0:
+            name, alias = cfg.run.register_name, cfg.run.register_alias
+            try:
+                version = tracker.register_model(run_dir / "best", name, alias)
+            except RegistrationFailed as failed:  # the run still ends FINISHED
+                failed.summary = {**summary, "registered": None, "version": None,
+                                  "registration_error": failed.error,
+                                  "register_later": failed.command}
+                raise
+            summary.update(registered=f"models:/{name}@{alias}", version=version)
     return summary
 
 
@@ -91,6 +103,9 @@ def run(args: argparse.Namespace) -> None:
     except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
         log.info("%s", stop)
         return
+    except RegistrationFailed as failed:  # trained, not registered: the summary, then exit 1
+        print(json.dumps(failed.summary))
+        raise
     if ctx.is_main:
         print(json.dumps(summary))
 

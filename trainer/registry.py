@@ -2,11 +2,13 @@
 
 A model folder holds `weights.safetensors` (the state dict), `config.json` (the run's Config),
 `vocab.json` (the Vocabulary), optionally `metrics.json`, and `checksums.json` (sha256 and size of
-every other file). Loading it never unpickles anything, and a folder that is incomplete, altered
-or padded with unlisted files is refused with a message naming the file.
+every other file). Loading it never unpickles anything, and a folder that is incomplete, altered,
+padded with unlisted files, linked to files outside it, or whose weights are not safetensors (a
+pickle, a `torch.save` zip) is refused with a message naming the file.
 
     python -m trainer.registry download models:/defrag@champion --dst DIR [--tracking-uri URI]
     python -m trainer.registry verify DIR
+    python -m trainer.registry register DIR --run-id ID --tracking-uri URI [--name N --alias A]
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS = (
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
 REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
 WORD_VECTORS = "sentence.word_vectors"  # W_e in the state dict: its width is the word_dim
+NOT_SAFETENSORS = {  # first bytes -> what the file is
+    b"PK\x03\x04": "a zip archive (torch.save's format, which unpickles)",
+    b"\x80": "a pickle (plain, or torch.save's legacy format)",
+    b"\x93NUMPY": "a NumPy array file", b"\x89HDF": "an HDF5 file", b"\x1f\x8b": "a gzip file"}
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
 
 
@@ -77,9 +83,7 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
         featurizer = featurizer or training_featurizer(config)
         if featurizer is not None:  # so that new inputs are parsed and boxed alike anywhere
             (staging / FEATURIZER).write_text(json.dumps(featurizer, indent=2, sort_keys=True))
-        files = {p.name: _fingerprint(p) for p in sorted(staging.iterdir())}
-        (staging / CHECKSUMS).write_text(
-            json.dumps({"format": MODEL_FORMAT, "files": files}, indent=2))
+        write_checksums(staging, format=MODEL_FORMAT)
         if folder.exists():  # replace an older model: move it aside, move the new one in
             retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
             folder.rename(retired)
@@ -106,7 +110,8 @@ def training_featurizer(config: Config) -> dict[str, Any] | None:
     return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
 
 
-def _fingerprint(path: Path) -> dict[str, Any]:
+def fingerprint(path: Path) -> dict[str, Any]:
+    """The sha256 and size of a file."""
     digest = hashlib.sha256()
     with path.open("rb") as stream:
         for block in iter(lambda: stream.read(1 << 20), b""):
@@ -114,38 +119,81 @@ def _fingerprint(path: Path) -> dict[str, Any]:
     return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
 
 
+def write_checksums(folder: Path, **fields: Any) -> None:
+    """Write `folder`'s checksums.json (last): `fields`, and the fingerprint of every file."""
+    files = {p.name: fingerprint(p) for p in sorted(folder.iterdir()) if p.name != CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps({**fields, "files": files}, indent=2))
+
+
+def verify_checksums(folder: Path, error: type[ValueError], what: str, advice: str = "",
+                     **fields: Any) -> dict[str, Any]:
+    """`folder`'s checksums.json once it has `fields`, every file it lists is intact, no other file
+    is there and no link leads out of the folder; else `error` naming the file (`what` the folder
+    should be), then `advice`."""
+    def refuse(problem: str) -> ValueError:
+        return error(f"{problem}; {advice}" if advice else problem)
+
+    inside = folder.resolve()
+    for path in sorted(folder.iterdir()):
+        if not path.resolve().is_relative_to(inside):
+            raise refuse(f"{path} is a link to {path.resolve()}, outside {folder}")
+    try:
+        manifest = json.loads((folder / CHECKSUMS).read_text())
+        listed = {name: {"sha256": entry["sha256"], "size": entry["size"]}
+                  for name, entry in manifest["files"].items()}
+    except FileNotFoundError as err:
+        raise error(f"{folder}: {CHECKSUMS} is missing; not a {what}, or an incomplete "
+                    "copy") from err
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise refuse(f"{folder / CHECKSUMS} is malformed ({err!r})") from err
+    for key, want in fields.items():
+        if manifest.get(key) != want:
+            raise refuse(f"{folder / CHECKSUMS}: {key} {manifest.get(key)!r}, this code reads "
+                         f"{key} {want!r}")
+    for name, expected in listed.items():
+        path = folder / name
+        if name != path.name or name == CHECKSUMS:
+            raise refuse(f"{folder / CHECKSUMS} lists an invalid entry {name!r}")
+        if not path.is_file():
+            raise refuse(f"{path} is missing (incomplete copy)")
+        if fingerprint(path) != expected:
+            raise refuse(f"{path} does not match its checksum (altered or truncated)")
+    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
+    if unlisted:
+        raise refuse(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
+    return manifest
+
+
 def verify_model_folder(folder: str | Path) -> None:
-    """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact."""
+    """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact,
+    with safetensors weights and no link out of it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: no such model folder")
-    try:
-        manifest = json.loads((folder / CHECKSUMS).read_text())
-        files = manifest["files"]
-        listed = {name: (entry["sha256"], entry["size"]) for name, entry in files.items()}
-    except FileNotFoundError as err:
-        raise ModelFolderError(f"{folder}: {CHECKSUMS} is missing; not a model folder, or an "
-                               "incomplete copy") from err
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ModelFolderError(f"{folder}: {CHECKSUMS} is malformed ({err!r})") from err
-    if manifest.get("format") != MODEL_FORMAT:
-        raise ModelFolderError(f"{folder}: model folder format {manifest.get('format')!r}, this "
-                               f"code reads format {MODEL_FORMAT}")
+    advice = "download or export the model again"
+    listed = verify_checksums(folder, ModelFolderError, "model folder", advice,
+                              format=MODEL_FORMAT)["files"]
     for name in REQUIRED_FILES:
         if name not in listed:
-            raise ModelFolderError(f"{folder}: {CHECKSUMS} does not list {name}")
-    for name, (sha256, size) in listed.items():
-        path = folder / name
-        if name != path.name or name == CHECKSUMS:
-            raise ModelFolderError(f"{folder}: {CHECKSUMS} lists an invalid entry {name!r}")
-        if not path.is_file():
-            raise ModelFolderError(f"{folder}: {name} is missing (incomplete copy)")
-        if _fingerprint(path) != {"sha256": sha256, "size": size}:
-            raise ModelFolderError(f"{folder}: {name} does not match its checksum (altered or "
-                                   "truncated); download or export the model again")
-    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
-    if unlisted:
-        raise ModelFolderError(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
+            raise ModelFolderError(f"{folder}: {CHECKSUMS} does not list {name}; {advice}")
+    what = _not_safetensors(folder / WEIGHTS)
+    if what:
+        raise ModelFolderError(f"{folder / WEIGHTS} is {what}; model weights are loaded from "
+                               "safetensors only, never unpickled: export the model again with "
+                               "trainer.registry.save_model_folder")
+
+
+def _not_safetensors(path: Path) -> str | None:
+    """What a file is, sniffed from its first bytes, when it is not safetensors; else None."""
+    with path.open("rb") as stream:
+        head = stream.read(9)
+    for magic, what in NOT_SAFETENSORS.items():
+        if head.startswith(magic):
+            return f"{what}, not safetensors"
+    header_size = int.from_bytes(head[:8], "little")
+    if head[8:] != b"{" or header_size > path.stat().st_size - 8:
+        return f"not a safetensors file (it starts with {head!r}, not a safetensors header)"
+    return None
 
 
 def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabulary]:
@@ -275,7 +323,8 @@ def _resolve_version(client: MlflowClient, match: re.Match[str], tracking_uri: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`download` a registered model into a verified folder, or `verify` a folder."""
+    """`download` a registered model into a verified folder, `verify` a folder, or `register`
+    one."""
     parser = argparse.ArgumentParser(prog="python -m trainer.registry", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -285,15 +334,28 @@ def main(argv: list[str] | None = None) -> None:
     download.add_argument("--tracking-uri", help=f"default: ${MLFLOW_TRACKING_URI.name}")
     verify = commands.add_parser("verify", help="check a model folder against its checksums")
     verify.add_argument("folder", type=Path)
+    register = commands.add_parser("register", help="register a model folder from its run, "
+                                   "e.g. a run's best/ after its registration failed")
+    register.add_argument("folder", type=Path)
+    register.add_argument("--run-id", required=True, help="the MLflow run that trained it")
+    register.add_argument("--tracking-uri", required=True, help="that run's store")
+    register.add_argument("--name", default="defrag", help="registered model (default: defrag)")
+    register.add_argument("--alias", default="champion", help="set to the new version")
+    register.add_argument("--artifact-path", default="model", help="where in the run's "
+                          "artifacts (it must not hold files yet)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     with one_line_errors(f"{parser.prog} {args.command}", args.debug):
         if args.command == "download":
-            folder = download_model(args.uri, args.dst, args.tracking_uri)
+            result = download_model(args.uri, args.dst, args.tracking_uri)
+        elif args.command == "register":
+            version = register_model(connect(args.tracking_uri), args.run_id, args.folder,
+                                     args.name, args.alias, args.artifact_path)
+            result = f"models:/{args.name}/{version}"
         else:
             verify_model_folder(args.folder)
-            folder = args.folder
-    print(folder)
+            result = args.folder
+    print(result)
 
 
 if __name__ == "__main__":

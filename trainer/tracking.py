@@ -1,17 +1,29 @@
 """MLflow tracking of a training run: params, metrics, artifacts and pictures, from rank 0 only.
 
 The store is `MLFLOW_TRACKING_URI` when set (e.g. a shared `mlflow server`), else an embedded
-sqlite database `<run dir>/mlflow.db` with artifacts in `<run dir>/mlartifacts`. Two rules:
-a store that cannot be reached fails fast at start-up with a message saying what to do, and once
-the run has started a tracking failure is logged and counted but never stops the training.
+sqlite database `<run dir>/mlflow.db` with artifacts in `<run dir>/mlartifacts`. Three rules:
+a store that cannot be reached fails fast at start-up with a message saying what to do; once
+the run has started a tracking failure is logged and counted but never stops the training; and
+what the store does not take (metrics, pictures, the run's end) waits on disk in the run folder
+(`Spool`) until a later flush, the end of the run, or
+
+    python -m trainer.tracking sync RUN_DIR [--tracking-uri URI]
+
+sends it. A model whose registration fails raises RegistrationFailed, naming the command that
+registers it later.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
+import shlex
+import shutil
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -30,6 +42,7 @@ from mlflow.environment_variables import (
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
+from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 
 log = logging.getLogger(__name__)
@@ -46,13 +59,25 @@ HTTP_DEFAULTS = {
 PROBE = {MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0", MLFLOW_HTTP_REQUEST_TIMEOUT.name: "5"}
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
 MAX_METRICS_PER_BATCH = 1000
-MAX_PENDING_METRICS = 100_000  # metrics kept for a store that is down; older ones are dropped
+MAX_PENDING_METRICS = 100_000  # metrics kept in memory when they can be neither sent nor spooled
+SPOOL = "tracking-spool"  # <run dir>/tracking-spool/<run id>/: what the store has not taken yet
+ERROR_TAG, MAX_ERROR_LENGTH = "error", 5000  # the exception that ended a run, as its tag
 
 T = TypeVar("T")
 
 
 class TrackingUnavailable(RuntimeError):
     """The tracking store cannot be used at start-up (the run should not start without it)."""
+
+
+class RegistrationFailed(RuntimeError):
+    """A model folder could not be registered; `command` registers it later. `summary` is the
+    training's summary (set by trainer.main.train) for main() to print before exiting 1."""
+
+    def __init__(self, error: str, command: str) -> None:
+        super().__init__(f"the model is not registered: {error}\nregister it later with: {command}")
+        self.error, self.command = error, command
+        self.summary: dict[str, Any] = {}
 
 
 def connect(tracking_uri: str) -> MlflowClient:
@@ -66,8 +91,7 @@ def connect(tracking_uri: str) -> MlflowClient:
         for name, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         try:
-            with _environment(PROBE):
-                client.search_experiments(max_results=1)
+            _probe(client)
         except MlflowException as err:
             raise TrackingUnavailable(
                 f"MLflow tracking server {tracking_uri} cannot be used: {err}\nStart the server "
@@ -75,6 +99,12 @@ def connect(tracking_uri: str) -> MlflowClient:
                 "unset it to track into the run directory's embedded store "
                 "(sqlite:///<run dir>/mlflow.db).") from err
     return client
+
+
+def _probe(client: MlflowClient) -> None:
+    """One request to the store, without retries and with a short timeout (PROBE)."""
+    with _environment(PROBE):
+        client.search_experiments(max_results=1)
 
 
 @contextlib.contextmanager
@@ -123,21 +153,127 @@ def _tolerant(kind: str) -> Callable[[Callable[..., T]], Callable[..., T | None]
     return decorate
 
 
+class Spool:
+    """What a run's store has not taken yet, in `<run dir>/tracking-spool/<run id>/` until sent:
+    metrics.jsonl (JSON lines; metrics.sent: the bytes of it already sent), images/<artifact
+    file> (PNG), end.json (the run's final status) and run.json (the run and its store)."""
+
+    def __init__(self, run_dir: str | Path, run_id: str, tracking_uri: str) -> None:
+        self.run_id, self.tracking_uri = run_id, tracking_uri
+        self.folder = Path(run_dir) / SPOOL / run_id
+        self.metrics, self.sent = self.folder / "metrics.jsonl", self.folder / "metrics.sent"
+        self.images, self.end = self.folder / "images", self.folder / "end.json"
+
+    @classmethod
+    def found(cls, run_dir: str | Path) -> list[Spool]:
+        """The spools in a run folder (one per MLflow run that trained into it)."""
+        return [cls(run_dir, path.parent.name, json.loads(path.read_text())["tracking_uri"])
+                for path in sorted((Path(run_dir) / SPOOL).glob("*/run.json"))]
+
+    def empty(self) -> bool:
+        return not (self.metrics.exists() or self.end.exists() or self.image_files())
+
+    def image_files(self) -> list[Path]:
+        return sorted(path for path in self.images.rglob("*") if path.is_file())
+
+    def add_metrics(self, metrics: list[Metric]) -> None:
+        """Append metrics as JSON lines in one write: a kill mid-write cuts the last line only."""
+        if not metrics:
+            return
+        self._open()
+        if not self.metrics.exists():
+            self.sent.unlink(missing_ok=True)  # stale: a kill between send_metrics' unlinks
+        lines = "".join(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                    "step": m.step}) + "\n" for m in metrics).encode()
+        with self.metrics.open("a+b") as stream:
+            end = stream.seek(0, os.SEEK_END)
+            if end:
+                stream.seek(end - 1)
+                if stream.read(1) != b"\n":  # a line cut short: leave it on a line of its own
+                    lines = b"\n" + lines
+            stream.write(lines)
+
+    def send_metrics(self, send: Callable[[list[Metric]], None]) -> int:
+        """Send the spooled metrics in batches, oldest first, each marked sent once `send`
+        returns (so never sent twice); raises what `send` raises. How many were sent."""
+        if not self.metrics.exists():
+            return 0
+        sent, start = 0, int(self.sent.read_text()) if self.sent.exists() else 0
+        with self.metrics.open("rb") as stream:
+            stream.seek(start)
+            for batch, done in self._batches(stream, start):
+                send(batch)
+                _write_atomically(self.sent, str(done).encode())
+                sent += len(batch)
+        self.metrics.unlink()
+        self.sent.unlink(missing_ok=True)
+        return sent
+
+    def _batches(self, stream: Any, offset: int) -> Iterator[tuple[list[Metric], int]]:
+        """The metrics from `offset` on, in batches, each with the offset after it; a line that
+        is not a complete record (a write cut short by a kill) is skipped with a warning."""
+        batch: list[Metric] = []
+        for line in stream:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                    batch.append(Metric(record["key"], float(record["value"]),
+                                        int(record["timestamp"]), int(record["step"])))
+                except (ValueError, KeyError, TypeError):
+                    log.warning("tracking: %s: the line at byte %d is not a complete record "
+                                "(a write cut short?); skipped", self.metrics, offset)
+            offset += len(line)
+            if len(batch) == MAX_METRICS_PER_BATCH:
+                yield batch, offset
+                batch = []
+        if batch:
+            yield batch, offset
+
+    def add_image(self, image: Image.Image, name: str) -> None:
+        """Keep a picture as images/<name>, a PNG file written whole, then renamed into place."""
+        self._open()
+        path = self.images / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / "image.partial"
+        image.save(partial, format="PNG")
+        os.replace(partial, path)
+
+    def add_end(self, status: str, error: str | None) -> None:
+        self._open()
+        _write_atomically(self.end, json.dumps({"status": status, "error": error}).encode())
+
+    def remove_if_empty(self) -> None:
+        if self.empty():
+            shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # the last run's spool
+
+    def _open(self) -> None:
+        """The folder, with run.json saying which run and store it is for (for `sync`)."""
+        identity = self.folder / "run.json"
+        if not identity.exists():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _write_atomically(identity, json.dumps({"run_id": self.run_id,
+                                                    "tracking_uri": self.tracking_uri}).encode())
+
+
 class Tracker:
     """One MLflow run seen from the trainer. Built by `Tracker.start`; on ranks other than 0 it
     is disabled and every method does nothing, so the trainer calls it unconditionally.
 
     Step metrics are buffered and sent in batches every `flush_seconds`. After a failed call,
-    metrics stay buffered and the next automatic send waits `pause_seconds`, so a store that is
-    down costs one failed call per pause, not one per step, and a restarted one gets them all.
+    metrics and pictures wait in the run folder's `spool` and the next automatic send waits
+    `pause_seconds`, then starts with one short request (PROBE): a store that is down or never
+    answers costs one failed call per pause, not one per step, and a restarted one gets them all.
     """
 
     def __init__(self, client: MlflowClient | None, run_id: str | None,
-                 tracking_uri: str | None, flush_seconds: float = 10.0,
-                 pause_seconds: float = 60.0) -> None:
+                 tracking_uri: str | None, spool: Spool | None = None,
+                 flush_seconds: float = 10.0, pause_seconds: float = 60.0) -> None:
         self.client = client
         self.run_id = run_id
         self.tracking_uri = tracking_uri
+        self.spool = spool  # required with a client
         self.flush_seconds = flush_seconds
         self.pause_seconds = pause_seconds
         self._pending: list[Metric] = []
@@ -182,7 +318,8 @@ class Tracker:
                     if resume_run_id else f"start a run in experiment {experiment!r}")
             raise TrackingUnavailable(f"MLflow tracking store {tracking_uri}: cannot {what}: "
                                       f"{err}") from err
-        tracker = cls(client, run_id, tracking_uri)
+        tracker = cls(client, run_id, tracking_uri, Spool(run_dir, run_id, tracking_uri))
+        tracker.spool.end.unlink(missing_ok=True)  # resumed: RUNNING again until its own end
         log.info("tracking: MLflow run %s in %s", run_id, tracking_uri)
         tracker.log_params(config)
         return tracker
@@ -218,19 +355,51 @@ class Tracker:
 
     @_tolerant("metrics")
     def flush(self) -> None:
-        """Send the queued metrics now (e.g. after a validation). On failure they are kept for
-        the next send, unless the store refused them as invalid (a retry could not help)."""
+        """Send the spooled metrics, the queued ones, then the spooled pictures (e.g. after a
+        validation). What the store does not take waits in the spool for the next send."""
         self._last_flush = time.monotonic()
-        while self._pending:
-            batch = self._pending[:MAX_METRICS_PER_BATCH]
-            try:
-                self.client.log_batch(self.run_id, metrics=batch)
-            except MlflowException as err:
-                if err.error_code == "INVALID_PARAMETER_VALUE":  # e.g. a malformed metric name
-                    del self._pending[:len(batch)]
-                    self._dropped_metrics += len(batch)
+        self._send_metrics()
+        self._flush_images()
+
+    def _send_metrics(self) -> int:
+        """The spooled metrics, then the queued ones, which are spooled when the store fails;
+        raises its error. How many were sent."""
+        try:
+            if not self.spool.empty():
+                _probe(self.client)  # a store still down costs one short request
+            sent = self.spool.send_metrics(self._log_batch)
+            while self._pending:
+                batch = self._pending[:MAX_METRICS_PER_BATCH]
+                self._log_batch(batch)
+                del self._pending[:len(batch)]
+                sent += len(batch)
+        except Exception:
+            self.spool.add_metrics(self._pending)
+            self._pending.clear()
+            raise
+        return sent
+
+    def _log_batch(self, metrics: list[Metric]) -> None:
+        """Send metrics; those the store refuses as invalid are dropped (a retry cannot help)."""
+        try:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        except MlflowException as err:
+            if err.error_code != "INVALID_PARAMETER_VALUE":  # e.g. a malformed metric name
                 raise
-            del self._pending[:len(batch)]
+            self._dropped_metrics += len(metrics)
+            self._failed("metrics", err)
+
+    def _send_images(self) -> int:
+        """Send the spooled pictures, each removed once sent; raises the store's error."""
+        files = self.spool.image_files()
+        for path in files:
+            with Image.open(path) as image:
+                self.client.log_image(self.run_id, image, artifact_file=path.relative_to(
+                    self.spool.images).as_posix())
+            path.unlink()
+        return len(files)
+
+    _flush_images = _tolerant("images")(_send_images)
 
     @_tolerant("artifacts")
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
@@ -242,45 +411,86 @@ class Tracker:
 
     @_tolerant("images")
     def log_image(self, image: Image.Image, name: str) -> None:
-        """Save a picture as the artifact file `name`, e.g. "alignments/epoch-03.png"."""
-        self.client.log_image(self.run_id, image, artifact_file=name)
+        """Save a picture as the artifact file `name`, e.g. "alignments/epoch-03.png". After a
+        failure (paused, or something spooled) it goes to the spool, sent by a later flush."""
+        if time.monotonic() < self._paused_until or not self.spool.empty():
+            self.spool.add_image(image, name)
+            return
+        try:
+            self.client.log_image(self.run_id, image, artifact_file=name)
+        except Exception:
+            self.spool.add_image(image, name)
+            raise
 
-    @_tolerant("registry")
     def register_model(self, folder: str | Path, name: str = "defrag",
                        alias: str = "champion", artifact_path: str = "model") -> str | None:
-        """Register a model folder (trainer.registry) from this run; its version, None on failure.
+        """Register a model folder (trainer.registry) from this run: its version (None on a
+        disabled tracker). Raises RegistrationFailed, with the command that registers it later.
 
         A run that registers several models (e.g. each new best) passes a distinct artifact_path.
         """
+        if not self.enabled:
+            return None
         from trainer.registry import register_model  # trainer.registry imports this module
 
-        return register_model(self.client, self.run_id, folder, name, alias, artifact_path)
+        try:
+            if not self.spool.empty():
+                _probe(self.client)  # the store failed: one short request first
+            return register_model(self.client, self.run_id, folder, name, alias, artifact_path)
+        except Exception as err:
+            command = shlex.join([
+                "python", "-m", "trainer.registry", "register", str(Path(folder).resolve()),
+                "--run-id", self.run_id, "--tracking-uri", self.tracking_uri, "--name", name,
+                "--alias", alias, "--artifact-path", artifact_path])
+            raise RegistrationFailed(f"{type(err).__name__}: {err}", command) from err
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Send what is queued and close the run as FINISHED, FAILED or KILLED (once)."""
+    def finish(self, status: str = "FINISHED", error: str | None = None) -> None:
+        """Send what is queued or spooled and close the run as FINISHED, FAILED or KILLED (once),
+        with `error` as its tag; what the store does not take waits in the spool for `sync`."""
         if not self.enabled or self._finished:
             return
         self._finished = True
         self.flush()
-        self._terminate(status)
-        if self._failures or self._dropped_metrics or self._pending:
+        if self.spool.metrics.exists():  # the store did not take them: no other call now
+            self.spool.add_end(status, error)
+        else:
+            self._end(status, error)
+        self.spool.remove_if_empty()
+        left = "" if self.spool.empty() else (
+            f"; what it did not take is in {self.spool.folder}: `python -m trainer.tracking sync "
+            f"{self.spool.folder.parents[1]}` sends it")
+        if self._failures or self._dropped_metrics or self._pending or left:
             log.warning("tracking: run %s in %s is incomplete: failed calls %s, metrics never "
-                        "sent %d", self.run_id, self.tracking_uri, dict(self._failures),
-                        self._dropped_metrics + len(self._pending))
+                        "sent %d%s", self.run_id, self.tracking_uri, dict(self._failures),
+                        self._dropped_metrics + len(self._pending), left)
 
     @_tolerant("finish")
-    def _terminate(self, status: str) -> None:
+    def _end(self, status: str, error: str | None) -> None:
+        try:
+            self._close(status, error)
+        except Exception:
+            self.spool.add_end(status, error)
+            raise
+
+    def _close(self, status: str, error: str | None) -> None:
+        if error:
+            self.client.set_tag(self.run_id, ERROR_TAG, error[:MAX_ERROR_LENGTH])
         self.client.set_terminated(self.run_id, status=status)
 
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        """FINISHED on success, KILLED on Ctrl-C, FAILED on any other exception."""
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 _: object) -> None:
+        """FINISHED on success, KILLED on Ctrl-C, FAILED on any other exception, which becomes
+        the `error` tag (a RegistrationFailed too, on a FINISHED run: the training finished)."""
         if kind is None:
             self.finish("FINISHED")
+        elif issubclass(kind, KeyboardInterrupt):
+            self.finish("KILLED")
         else:
-            self.finish("KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED")
+            self.finish("FINISHED" if issubclass(kind, RegistrationFailed) else "FAILED",
+                        f"{kind.__name__}: {error}")
 
     def _failed(self, kind: str, err: Exception) -> None:
         self._failures[kind] += 1
@@ -297,3 +507,49 @@ def _experiment_id(client: MlflowClient, name: str, artifact_location: str | Non
     if experiment is not None:
         return experiment.experiment_id
     return client.create_experiment(name, artifact_location=artifact_location)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def sync(run_dir: str | Path, tracking_uri: str | None = None) -> list[str]:
+    """Send what the runs of `run_dir` left spooled (metrics, pictures, their end) to their store
+    or `tracking_uri`; one line per run says what was sent. Raises the store's error."""
+    lines = []
+    for spool in Spool.found(run_dir):
+        uri = tracking_uri or spool.tracking_uri
+        tracker = Tracker(connect(uri), spool.run_id, uri, spool)
+        metrics, pictures = tracker._send_metrics(), tracker._send_images()
+        end = json.loads(spool.end.read_text()) if spool.end.exists() else {"status": None}
+        if end["status"]:
+            tracker._close(end["status"], end["error"])
+            spool.end.unlink()
+        spool.remove_if_empty()
+        lines.append(f"run {spool.run_id} in {uri}: sent metrics {metrics}, pictures {pictures}, "
+                     f"status {end['status'] or 'unchanged'}")
+    return lines or [f"{run_dir}: nothing spooled"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`sync RUN_DIR`: send what a run's tracking store did not take (see Spool)."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.tracking", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("sync", help="send a run folder's spooled metrics, pictures "
+                                  "and final status (once its training has ended)")
+    command.add_argument("run_dir", type=Path)
+    command.add_argument("--tracking-uri", help="default: the store the run tracked into")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    with (one_line_errors(f"{parser.prog} {args.command}", args.debug),
+          contextlib.redirect_stdout(sys.stderr)):  # MLflow prints a link to each run it ends
+        lines = sync(args.run_dir, args.tracking_uri)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

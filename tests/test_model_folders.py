@@ -1,0 +1,83 @@
+"""Model folders (trainer/registry.py) that pass their checksums but must still be refused:
+pickled weights (a `torch.save` zip, a plain pickle) named by what they are, and symlinks that
+lead out of the folder."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_registry import VOCAB_WORDS, rewrite_checksums, tiny_model
+from trainer.registry import (
+    VOCAB,
+    WEIGHTS,
+    ModelFolderError,
+    load_model_folder,
+    save_model_folder,
+    verify_model_folder,
+)
+
+
+def torch_save(state: dict, **kwargs: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer, **kwargs)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, config = tiny_model(seed=3)
+    return save_model_folder(tmp_path_factory.mktemp("saved") / "model", model, config,
+                             VOCAB_WORDS)
+
+
+@pytest.fixture
+def folder(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the saved folder a test may change."""
+    return Path(shutil.copytree(saved, tmp_path / "model"))
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("torch.save", "a zip archive .torch.save's format, which unpickles."),
+    ("legacy torch.save", "a pickle .plain, or torch.save's legacy format."),
+    ("pickle", "a pickle .plain, or torch.save's legacy format."),
+])
+def test_pickled_weights_are_refused_by_what_they_are(folder: Path, kind: str,
+                                                      expected: str) -> None:
+    state = load_model_folder(folder)[0].state_dict()
+    data = {"torch.save": lambda: torch_save(state),
+            "legacy torch.save": lambda: torch_save(state, _use_new_zipfile_serialization=False),
+            "pickle": lambda: pickle.dumps({k: v.numpy() for k, v in state.items()})}[kind]()
+    (folder / WEIGHTS).write_bytes(data)
+    rewrite_checksums(folder)  # the checksums match: only the content gives it away
+    for check in (verify_model_folder, load_model_folder):
+        with pytest.raises(ModelFolderError,
+                           match=f"{folder / WEIGHTS} is {expected}, not safetensors"):
+            check(folder)
+
+
+def test_weights_that_are_not_safetensors_are_named(folder: Path) -> None:
+    (folder / WEIGHTS).write_bytes(b"\xff" * 64)
+    rewrite_checksums(folder)
+    with pytest.raises(ModelFolderError, match=f"{folder / WEIGHTS} is not a safetensors file"):
+        load_model_folder(folder)
+
+
+def test_symlink_out_of_the_folder_is_refused(folder: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere" / VOCAB
+    outside.parent.mkdir()
+    shutil.move(folder / VOCAB, outside)
+    (folder / VOCAB).symlink_to(outside)  # the same bytes: the checksums match
+    with pytest.raises(ModelFolderError, match=f"{folder / VOCAB} is a link to {outside}, "
+                                               "outside"):
+        load_model_folder(folder)
+
+
+def test_a_folder_reached_through_a_link_loads(folder: Path, tmp_path: Path) -> None:
+    (tmp_path / "linked").symlink_to(folder)  # e.g. models/champion -> runs/f8k/best
+    load_model_folder(tmp_path / "linked")
