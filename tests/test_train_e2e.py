@@ -104,21 +104,19 @@ def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
     killed.mkdir()
     process = torchrun(tiny_config(killed, shards, checkpoint_every_steps=2), restarts=5)
     pointer = killed / "run" / "checkpoints" / "latest"
-    chance = random.Random(0)
-    victims = set()
-    for target in sorted(chance.sample(range(2, 19), 5)):  # 20 steps in all
+    chance, resumed_at = random.Random(0), 0
+    for restart in range(5):  # 20 steps of ~0.1-0.3 s in all, a checkpoint every 2
         deadline = time.monotonic() + 600
-        while not (pointer.is_file() and int(pointer.read_text().split("-")[1]) >= target):
+        while saved_step(pointer) <= resumed_at:  # the restarted run resumed and saved again
             assert process.poll() is None, "the run ended before the kill"
             assert time.monotonic() < deadline
-            time.sleep(0.1)
-        time.sleep(chance.uniform(0.0, 1.0))  # anywhere in the following step
-        victim = rank_process(process, rank=1)
-        assert victim.pid not in victims
-        victims.add(victim.pid)
-        os.kill(victim.pid, signal.SIGKILL)
+            time.sleep(0.05)
+        time.sleep(chance.uniform(0.0, 0.15))  # then a random moment of the next step or two
+        os.kill(rank_process(process, rank=1, restart=restart).pid, signal.SIGKILL)
+        rank_process(process, rank=1, restart=restart + 1)  # torchrun restarted both ranks
+        resumed_at = saved_step(pointer)
     output = finish(process)
-    assert output.count("resumed from") >= 2 * 5  # both ranks of each restart
+    assert output.count("resumed from") == 2 * 5  # both ranks of each restart
 
     want, got = final_weights(uninterrupted / "run"), final_weights(killed / "run")
     assert want.keys() == got.keys()
@@ -126,14 +124,24 @@ def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Process:
-    """The training process of `rank` (its environment's RANK), once torchrun has started it."""
-    deadline = time.monotonic() + 120
+def saved_step(pointer: Path) -> int:
+    """The step of the checkpoint `latest` names (0 before the first)."""
+    return int(pointer.read_text().split("-")[1]) if pointer.is_file() else 0
+
+
+def rank_process(torchrun_process: subprocess.Popen, rank: int,
+                 restart: int = 0) -> psutil.Process:
+    """The training process of `rank` in torchrun's `restart`-th start of the workers, once
+    started (a rank's loader processes share its command and environment, but not its parent,
+    except orphans a killed rank left, whose restart count is an older one)."""
+    wanted = {"RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(restart)}
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         for child in psutil.Process(torchrun_process.pid).children(recursive=True):
             try:
+                environ = child.environ()
                 if ("trainer.main" in " ".join(child.cmdline())
-                        and child.environ().get("RANK") == str(rank)
+                        and all(environ.get(k) == v for k, v in wanted.items())
                         and child.ppid() == torchrun_process.pid):
                     return child
             except psutil.NoSuchProcess:
