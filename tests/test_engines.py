@@ -83,11 +83,13 @@ def test_distributed_step_equals_single_process_step(tmp_path, shards, engine, s
              nprocs=world_size)
 
 
-def test_gradients_have_their_parameters_layout(shards) -> None:
+@pytest.mark.parametrize("region_mode", ["roi", "crop"])
+def test_gradients_have_their_parameters_layout(shards, region_mode) -> None:
     """DDP's gradient layout contract: a gradient with other strides than its parameter makes DDP
     warn "Grad strides do not match bucket view strides" on every rank and copy it each step
-    (EfficientNet-Lite's 1x1 convolutions did, fed channels-last images)."""
+    (EfficientNet-Lite's 1x1 convolutions did: channels-first weights, channels-last images)."""
     cfg = make_config(shards, "ddp", 1)
+    cfg.model.region_mode, cfg.model.crop_size = region_mode, 32
     vocab = Vocabulary.load(f"{cfg.data.shards}/vocab.json")
     first_shard = locate_split(cfg.data.shards, "train").shards[:1]
     images = list(read_images(first_shard, SampleDecoder.from_config(cfg, vocab)))

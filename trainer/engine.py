@@ -93,6 +93,7 @@ class DeepSpeedEngine:
         ds_config["bf16"] = {"enabled": bf16}
         ds_config["gradient_clipping"] = cfg.optim.grad_clip or 0.0  # DeepSpeed's default: 1.0
         self.module = model
+        model.to(memory_format=torch.contiguous_format)  # ZeRO flattens the parameters it holds
         self.wrapped, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
 

@@ -97,7 +97,11 @@ class ImageEncoder(nn.Module):
         super().__init__()
         if region_mode not in REGION_MODES:
             raise ValueError(f"region mode {region_mode!r}: expected one of {REGION_MODES}")
-        self.backbone = backbone
+        # Channels-last weights, as the images arrive (trainer/batch.py): a convolution's weight
+        # gradient then has its weight's layout (DDP's gradient layout contract; otherwise DDP
+        # warns "Grad strides do not match" and copies), and oneDNN and cuDNN take their faster
+        # NHWC kernels (a finetuning step ~25% faster on CPU than channels-first).
+        self.backbone = backbone.to(memory_format=torch.channels_last)
         self.region_mode = region_mode
         self.crop_size = crop_size
         self.roi_output_size = roi_output_size
@@ -138,6 +142,7 @@ class ImageEncoder(nn.Module):
             return self.backbone.pool(grid)
         # crop (the paper): warp every box to crop_size x crop_size pixels, one CNN pass each.
         crops = torchvision.ops.roi_align(pixels, rois, output_size=self.crop_size, aligned=True)
+        crops = crops.contiguous(memory_format=torch.channels_last)
         return self.backbone.pool(self.backbone.features(crops))
 
     def project(self, features: torch.Tensor, box_image: torch.Tensor) -> torch.Tensor:

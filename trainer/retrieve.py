@@ -253,7 +253,7 @@ def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
     pixels = stack_pixels(images)
     boxes = torch.from_numpy(np.concatenate([image.boxes for image in images]))
     box_image = owners([len(image.boxes) for image in images])
-    v = model.image(unit_float(pixels.to(device).contiguous()), boxes.to(device),
+    v = model.image(unit_float(pixels.to(device)), boxes.to(device),
                     box_image.to(device))
     return v.float().cpu()
 

@@ -297,7 +297,7 @@ class Trainer:
         first, device = self.eval_set.first, self.ctx.device
         boxes = torch.from_numpy(first.boxes)
         fragments = torch.from_numpy(first.fragments[0])
-        image = unit_float(torch.tensor(first.pixels).permute(2, 0, 1).contiguous()[None])
+        image = unit_float(torch.tensor(first.pixels).permute(2, 0, 1)[None])  # channels-last
         image = image.to(device)
         was_training = self.model.training
         self.model.eval()
