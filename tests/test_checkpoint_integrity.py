@@ -104,6 +104,21 @@ def test_latest_skips_a_damaged_checkpoint_and_says_why(run: Config, name: str,
     assert load_state(latest_checkpoint(run_dir)).global_step == 2  # trained again, intact
 
 
+def test_a_checkpoint_of_an_earlier_version_resumes_unverified(
+        run: Config, caplog: pytest.LogCaptureFixture) -> None:
+    """Written before checkpoints carried checksums (a run upgraded mid-way, `make demo` run
+    again): resumed, with a warning, not refused."""
+    run_dir = Path(run.run.run_dir)
+    (step(run_dir, 2) / "checksums.json").unlink()
+    caplog.set_level(logging.INFO)
+    train_one_step(run)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("has no checksums.json (written by an earlier version): resuming from it "
+               "unverified" in m for m in messages), messages
+    assert any(m.startswith(f"resumed from {step(run_dir, 2)} ") for m in messages)
+    assert load_state(latest_checkpoint(run_dir)).global_step == 3
+
+
 def test_explicit_damaged_checkpoint_fails_naming_the_file(run: Config) -> None:
     damaged = step(Path(run.run.run_dir), 2)
     truncate(damaged / "optimizer.pt")

@@ -72,8 +72,9 @@ def free_port() -> int:
 
 
 def tracker_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What the tracker logged (MLflow logs its own errors too)."""
-    return [r.getMessage() for r in caplog.records if r.name == "trainer.tracking"]
+    """What the tracker and its spool logged (MLflow logs its own errors too)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name in ("trainer.tracking", "trainer.spool")]
 
 
 def picture() -> Image.Image:

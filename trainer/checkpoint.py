@@ -27,7 +27,8 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from trainer.registry import verify_checksums, write_checksums
+from trainer.files import write_atomically
+from trainer.registry import CHECKSUMS, verify_checksums, write_checksums
 
 TMP_PREFIX = "tmp-"
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
             write_checksums(tmp)  # last: a folder without them is never resumed
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _write_atomically(root / "latest", name)
+            write_atomically(root / "latest", name)
         _prune(root, keep, final)
     _barrier()
     return final
@@ -102,9 +103,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def verify_checkpoint(folder: Path, advice: str = "") -> Path:
-    """`folder`, once every file matches its checksums; else CheckpointError naming the file."""
+    """`folder`, once every file matches its checksums; else CheckpointError naming the file.
+    A checkpoint of an earlier version (a state.json, no checksums.json) is used unverified,
+    with a warning: a run upgraded mid-way resumes."""
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
+    if (folder / "state.json").is_file() and not (folder / CHECKSUMS).exists():
+        log.warning("checkpoint %s has no %s (written by an earlier version): resuming from it "
+                    "unverified", folder, CHECKSUMS)
+        return folder
     verify_checksums(folder, CheckpointError, "checkpoint", advice)
     return folder
 
@@ -145,12 +152,6 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
     for old in saved[:-keep] if keep > 0 else []:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _barrier() -> None:
