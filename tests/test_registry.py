@@ -189,10 +189,22 @@ def store(tmp_path_factory: pytest.TempPathFactory,
 
 
 def test_register_refuses_to_overwrite_a_version(store: tuple[Tracker, DeFragModel],
-                                                 saved: tuple[Path, DeFragModel, Config]) -> None:
+                                                 saved: tuple[Path, DeFragModel, Config],
+                                                 tmp_path: Path) -> None:
+    tracker, second = store
+    other = save_model_folder(tmp_path / "other", second, saved[2], VOCAB_WORDS, {"rsum": 1.0})
+    with pytest.raises(ValueError, match="already has other files under 'model'"):
+        register_model(tracker.client, tracker.run_id, other)
+
+
+def test_registering_the_same_files_again_reuses_their_version(
+        store: tuple[Tracker, DeFragModel], saved: tuple[Path, DeFragModel, Config]) -> None:
+    """A finished run resumed (or requeued after it registered) registers its best again."""
     tracker, _ = store
-    with pytest.raises(ValueError, match="already has artifacts under 'model'"):
-        register_model(tracker.client, tracker.run_id, saved[0])
+    assert register_model(tracker.client, tracker.run_id, saved[0], alias="again") == "1"
+    assert str(tracker.client.get_model_version_by_alias("defrag", "again").version) == "1"
+    assert len(tracker.client.search_model_versions("name = 'defrag'")) == 2
+    tracker.client.delete_registered_model_alias("defrag", "again")  # the store is shared
 
 
 @pytest.mark.parametrize("uri", ["models:/defrag@champion", "models:/defrag/2", "models:/defrag/1"])

@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -243,11 +244,16 @@ def _standalone(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig
 def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: str = "defrag",
                    alias: str = "champion", artifact_path: str = "model") -> str:
     """Log `folder` as the run's `artifact_path` artifacts, register it as a new version of
-    `name` and point `alias` at it; returns the version."""
+    `name` and point `alias` at it; returns the version. The same files registered again from
+    the same run (a finished run resumed, a job requeued after registering) reuse their version."""
     verify_model_folder(folder)
     if client.list_artifacts(run_id, artifact_path):
-        raise ValueError(f"run {run_id} already has artifacts under {artifact_path!r}; a new "
-                         "version must not share (and overwrite) an older version's files")
+        version = _registered_before(client, run_id, folder, name, artifact_path)
+        if version is None:
+            raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
+                             "new version must not share (and overwrite) an older version's")
+        client.set_registered_model_alias(name, alias, version)
+        return version
     client.log_artifacts(run_id, str(folder), artifact_path)
     try:
         client.get_registered_model(name)
@@ -260,6 +266,19 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
                                           run_id=run_id).version
     client.set_registered_model_alias(name, alias, version)
     return str(version)
+
+
+def _registered_before(client: MlflowClient, run_id: str, folder: str | Path, name: str,
+                       artifact_path: str) -> str | None:
+    """The version of `name` registered from the run's `artifact_path`, if those artifacts are
+    `folder`'s files (the same checksums.json); else None."""
+    with tempfile.TemporaryDirectory() as tmp:
+        logged = Path(client.download_artifacts(run_id, f"{artifact_path}/{CHECKSUMS}", tmp))
+        if logged.read_bytes() != (Path(folder) / CHECKSUMS).read_bytes():
+            return None
+    versions = [v for v in client.search_model_versions(f"name = '{name}'")
+                if v.run_id == run_id and v.source.rstrip("/").endswith(f"/{artifact_path}")]
+    return str(max(int(v.version) for v in versions)) if versions else None
 
 
 def download_model(uri: str, dst: str | Path, tracking_uri: str | None = None) -> Path:
