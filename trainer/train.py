@@ -106,13 +106,17 @@ class Trainer:
         self.plan: dict[str, int | bool | float] | None = None  # the current epoch's
 
     def prepare_engine(self, epoch: int) -> None:
-        """Build (or rebuild at the phase switch) the engine for this epoch's phase."""
-        finetune = finetunes_cnn(epoch, self.cfg)
-        if self.engine is None or finetune != self.engine_finetunes:
-            self.engine = build_engine(self.model, self.cfg, finetune, self.ctx.device,
-                                       self.ctx.world_size)
-            self.engine_finetunes = finetune
-        self.loss_fn.mil = self.cfg.objective.mil and in_phase_two(epoch, self.cfg)
+        """Set up this epoch's plan: the engine built (or rebuilt at the phase switch), MIL on or
+        off; one log line when the plan changes (and for the first epoch this process runs)."""
+        plan = epoch_plan(epoch, self.cfg)
+        if plan != self.plan and self.ctx.is_main:
+            log.info("epoch %d: %s", epoch, describe_plan(plan, self.cfg))
+        self.plan = plan
+        if self.engine is None or plan["finetunes_cnn"] != self.engine_finetunes:
+            self.engine = build_engine(self.model, self.cfg, plan["finetunes_cnn"],
+                                       self.ctx.device, self.ctx.world_size)
+            self.engine_finetunes = plan["finetunes_cnn"]
+        self.loss_fn.mil = plan["mil"]
 
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint: the weights, and the optimizer unless the phase changed."""
@@ -125,23 +129,14 @@ class Trainer:
     def fit(self) -> TrainState:
         for epoch in range(self.state.epoch, self.cfg.optim.epochs):
             self.prepare_engine(epoch)
-            self.announce(epoch)
             self.state.epoch = epoch
             started = time.perf_counter()
             self.train_epoch(epoch)
             self.end_epoch(epoch, train_seconds=time.perf_counter() - started)
         return self.state
 
-    def announce(self, epoch: int) -> None:
-        """One log line when the phase, the objective, the CNN's training or the lr changes
-        (and for the first epoch this process runs)."""
-        plan = epoch_plan(epoch, self.cfg)
-        if plan != self.plan and self.ctx.is_main:
-            log.info("epoch %d: %s", epoch, describe_plan(plan, self.cfg))
-        self.plan = plan
-
     def train_epoch(self, epoch: int) -> None:
-        lr = learning_rate(epoch, self.cfg)
+        lr = self.plan["lr"]
         self.engine.set_lr(lr)
         self.model.train()
         self.loader.set_epoch(epoch, skip_pixels=self.cached_images(epoch))
@@ -239,7 +234,7 @@ class Trainer:
             self.tracker.log_metrics({f"time/{k}": v for k, v in times.items()},
                                      step=self.state.global_step)
             with (self.run_dir / "history.jsonl").open("a") as history:
-                history.write(json.dumps({"epoch": epoch, **epoch_plan(epoch, self.cfg),
+                history.write(json.dumps({"epoch": epoch, **self.plan,
                                           **times, **metrics}) + "\n")
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
         if metrics["rsum"] > self.state.best_rsum:
