@@ -40,7 +40,7 @@ FEATURIZE = [str(BIN / "python"), "-m", "featurizer", "flickr", "--root", "../sh
 NO_MIL = ["objective.mil=false"]
 # The whole-image rows train at lr 0.01 (the region rows diverge there: docs/results.md).
 FULLFRAME = ["model.fullframe_only=true", "optim.lr=0.01"]
-# Rows measured in session 2 at lr 0.01, before it diverged for the full model (see above).
+# Rows measured on 2026-11-22 (c0bfc66) at lr 0.01, before it diverged for the full model.
 LR_0_01 = ["optim.lr=0.01"]
 LITE2 = ["model.backbone=efficientnet_lite2", "model.image_size=260"]  # its native input size
 TWELVE_EPOCHS = ["optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]

@@ -122,11 +122,7 @@ IMAGE = Damage("image", flip_image_bytes, 4, "cannot decode the image (", None)
 JSON = Damage("json", break_json, 4, "unusable metadata (JSONDecodeError: ", None)
 DAMAGES = [HEADER, TRUNCATED, IMAGE, JSON]
 
-# A problem found at the end of a shard (the count check) is lost when the shard spans two chunks
-# of CHUNK_IMAGES images (trainer/reader.py, image_chunks): see test_a_shard_problem_found_after_
-# a_chunk_boundary_is_kept. Where the (seeded) deal and read order put the damaged shard across a
-# boundary, the tests below meet that bug; elsewhere the shard happens to lie within one chunk.
-# Only an AssertionError is the expected failure: anything else (a failed run) still fails.
+
 def damage_shard(copy: Path, shard: str, damage: Damage) -> tuple[Path, list[str]]:
     """Damage one shard of the copy: its path and its sample keys (from before the damage)."""
     path = copy / shard
