@@ -58,7 +58,6 @@ import webdataset as wds
 from PIL import Image
 
 from featurizer.pipeline import Settings, featurize
-from featurizer.shards import FORMAT_VERSION
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.config import Config
@@ -243,7 +242,7 @@ def tiny_split(out: Path, samples: int, shard_size: int = 1000) -> Path:
                 writer.write({"__key__": f"img{number:08d}", "jpg": jpeg.getvalue(),
                               "json": json.dumps(meta).encode()})
         shards.append({"file": name, "samples": count, "captions": 5 * count, "sha256": None})
-    manifest = {"format": FORMAT_VERSION, "splits": {"train": {
+    manifest = {"format": 1, "splits": {"train": {  # format 1: captions without trees
         "images": samples, "captions": 5 * samples, "shards": shards}}}
     (out / "manifest.json").write_text(json.dumps(manifest))
     Vocabulary(["a", "red", "square"], ["amod", "det"]).save(out / "vocab.json")

@@ -33,7 +33,8 @@ its entries are `jpg` or `png` (the ORIGINAL file bytes, extension from the deco
 `json`:
 
     {"image_id", "split", "width", "height", "file": path relative to the image folder,
-     "captions": [{"text", "tokens": [word, ...], "triplets": [[rel, governor, dependent], ...]}],
+     "captions": [{"text", "tokens": [word, ...], "triplets": [[rel, governor, dependent], ...],
+                   "tree": {"heads": [int, ...], "relations": [rel, ...], "pos": [tag, ...]}}],
      "boxes": [[x1, y1, x2, y2], ...] (pixels; row 0 = the whole image), "box_scores": [...],
      "box_source": name}
 
@@ -41,4 +42,25 @@ Tokens and triplets are lowercased, without punctuation, and keep EVERY relation
 vocabulary (built after parsing, from the training split) decides what the trainer uses, through
 `Vocabulary.encode`. So a new split can be featurized with `--vocab` of an existing training set
 or model and be encoded exactly like it.
+
+A caption's "tree" is its whole dependency parse over the same words, in sentence order: three
+lists aligned with "tokens" (one entry per token). `heads[i]` is the index in "tokens" of token
+i's head, -1 for a root; `relations[i]` its relation to that head, lowercased as in the triplets
+("root" for a sentence's root); `pos[i]` its universal part-of-speech tag (spaCy `pos_`, stanza
+`upos`).
+Example, "A dog runs on the grass .":
+
+    "tokens": ["a", "dog", "runs", "on", "the", "grass"],
+    "tree": {"heads": [1, 2, -1, 2, 5, 3],
+             "relations": ["det", "nsubj", "root", "prep", "det", "pobj"],
+             "pos": ["DET", "NOUN", "VERB", "ADP", "DET", "NOUN"]}
+
+The heads form a forest: a caption parsed as several sentences has one root per sentence, and a
+word whose head is punctuation (rare) hangs on its nearest kept ancestor (a root if none), with
+its own relation (`parsing` has the details). The triplets are unchanged by the tree: an edge
+that touches punctuation is still left out of them.
+
+Format versions: 1 = without "tree" (still read by the trainer, enough for the fragment
+encoder; encoders that need trees refuse it through `trainer.shardset.require_trees`); 2 = with
+"tree". A re-run over an output folder of another format rewrites every shard.
 """

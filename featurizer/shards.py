@@ -29,7 +29,10 @@ from featurizer.images import BadImage, LoadedImage, load_image
 from featurizer.parsing import ParsedCaption, Parser
 from featurizer.records import NO_WORDS, Caption, ImageRecord, Problem, no_captions
 
-FORMAT_VERSION = 1
+# 1: captions with "tokens" and "triplets". 2: also "tree" (heads, relations, POS tags). A
+# sidecar of another format never counts as finished (its format is also in the fingerprint), so
+# a re-run over an older output folder rewrites every shard.
+FORMAT_VERSION = 2
 TMP_MARK = ".tmp-"
 
 

@@ -9,8 +9,9 @@ import webdataset as wds
 from PIL import Image
 
 import featurizer.pipeline as pipeline
+import featurizer.shards as shards_module
 from featurizer.__main__ import main
-from featurizer.parsing import ParserUnavailable
+from featurizer.parsing import ParsedCaption, ParserUnavailable
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from trainer.vocab import Vocabulary
@@ -61,6 +62,13 @@ def shard_bytes(out: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("*/*.tar"))}
 
 
+def shard_captions(out: Path) -> list[dict]:
+    """Every caption of every shard of `out`, in shard and sample order."""
+    urls = [str(p) for p in sorted(out.glob("*/*.tar"))]
+    return [caption for sample in wds.WebDataset(urls, shardshuffle=False)
+            for caption in json.loads(sample["json"])["captions"]]
+
+
 def test_shards_hold_original_images_captions_and_boxes(tmp_path: Path) -> None:
     jsonl = make_dataset(tmp_path / "data")
     manifest = run(jsonl, tmp_path / "out")
@@ -89,6 +97,10 @@ def test_shards_hold_original_images_captions_and_boxes(tmp_path: Path) -> None:
         assert first["tokens"] == [w.lower() for w in first["text"].split() if w != "."]
         assert all(len(t) == 3 for t in first["triplets"]) and first["triplets"]
         assert vocab.encode(first).shape[1] == 3
+        tree = first["tree"]
+        assert set(tree) == {"heads", "relations", "pos"}
+        assert len(tree["heads"]) == len(tree["relations"]) == len(tree["pos"])
+        assert len(tree["heads"]) == len(first["tokens"]) and tree["heads"].count(-1) == 1
     decoded = next(iter(wds.WebDataset(urls[:1], shardshuffle=False).decode("pil")))
     assert decoded["jpg"].size == (40, 30)
 
@@ -150,6 +162,42 @@ def test_rerun_skips_finished_shards_and_redoes_broken_ones(
     assert sorted(p.name for p in (out / "train").iterdir()) == [
         f"shard-00000{i}.{ext}" for i in range(3) for ext in ("json", "tar")]
     assert manifest["splits"]["train"]["images"] == 6
+
+
+def test_a_format_1_folder_is_rewritten_with_trees(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder written before trees (format 1) is not taken as finished: the re-run rewrites
+    every shard with trees, and the tokens, triplets and vocabulary stay the same."""
+    jsonl = make_dataset(tmp_path / "data", good=4)
+    out = tmp_path / "out"
+    with monkeypatch.context() as before_trees:
+        before_trees.setattr(shards_module, "FORMAT_VERSION", 1)
+        before_trees.setattr(pipeline, "FORMAT_VERSION", 1)
+        before_trees.setattr(ParsedCaption, "caption", lambda self, text: {
+            "text": text, "tokens": self.tokens, "triplets": self.triplets})
+        assert run(jsonl, out)["format"] == 1
+    old_captions, old_vocab = shard_captions(out), (out / "vocab.json").read_bytes()
+    assert old_captions and all("tree" not in caption for caption in old_captions)
+    assert {json.loads(p.read_text())["format"] for p in out.glob("train/*.json")} == {1}
+    written = []
+    real_write = pipeline.write_shard
+    monkeypatch.setattr(pipeline, "write_shard",
+                        lambda spec, *a: written.append(spec.index) or real_write(spec, *a))
+    assert run(jsonl, out)["format"] == 2
+    assert written == [0, 1]  # both shards rewritten, none skipped as complete
+    new_captions = shard_captions(out)
+    assert all(len(c["tree"]["heads"]) == len(c["tokens"]) for c in new_captions)
+    assert [{k: v for k, v in c.items() if k != "tree"} for c in new_captions] == old_captions
+    assert (out / "vocab.json").read_bytes() == old_vocab
+    assert {json.loads(p.read_text())["format"] for p in out.glob("train/*.json")} == {2}
+    run(jsonl, tmp_path / "clean")
+    assert shard_bytes(out) == shard_bytes(tmp_path / "clean")
+    # the sidecar's own format is compared too (not only through the fingerprint)
+    sidecar = out / "train/shard-000001.json"
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "format": 1}))
+    written.clear()
+    run(jsonl, out)
+    assert written == [1]
 
 
 def test_a_shard_killed_while_writing_is_never_trusted(

@@ -42,6 +42,10 @@ NOT_SET = ("data.shards is not set: point it at the output folder of `python -m 
 CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed mid-transfer",
              22: "HTTP error status (e.g. 404 Not Found)", 28: "timed out",
              52: "empty reply", 56: "connection reset"}
+# Shard formats this code reads (featurizer.shards.FORMAT_VERSION): 1 has each caption's tokens
+# and triplets, all the fragment encoder needs; 2 adds its dependency tree and POS tags.
+READABLE_FORMATS = (1, 2)  # FORMAT_VERSION among them (a test checks)
+TREE_FORMAT = 2  # the first format whose captions have a "tree"
 
 
 class ShardError(RuntimeError):
@@ -141,10 +145,27 @@ class SplitShards:
     images: int
     captions: int  # = (image, caption) pairs
     manifest_url: str
+    format: int = FORMAT_VERSION  # the manifest's shard format (see READABLE_FORMATS)
 
     @property
     def urls(self) -> list[str]:
         return [shard.url for shard in self.shards]
+
+    def require_trees(self, what: str) -> None:
+        """Refuse shards without dependency trees (format 1) for `what` (e.g. "the dtrnn
+        sentence encoder"); see `require_trees`."""
+        require_trees(self.format, parent(self.manifest_url), what)
+
+
+def require_trees(manifest_format: int, folder: str, what: str) -> None:
+    """Raise a one-line ShardError if shards of `manifest_format` lack the captions' dependency
+    trees and POS tags ("tree"), which `what` needs; `folder` is the featurizer output folder
+    (the manifest's folder), named in the message."""
+    if manifest_format < TREE_FORMAT:
+        raise ShardError(f"{what} needs the captions' dependency trees and part-of-speech tags "
+                         f"(shard format {TREE_FORMAT}), but {folder} holds format "
+                         f"{manifest_format} shards: re-run the featurizer command of its "
+                         f"manifest (created_by) with the same --out to rewrite them")
 
 
 def is_folder(spec: str) -> bool:
@@ -177,10 +198,11 @@ def read_manifest(url: str, timeout: float = 60.0, retries: int = 3) -> dict[str
         raise ShardError(f"cannot read the manifest {url} ({err}): data.shards must be the "
                          f"output folder of `python -m featurizer ...` or a shard list with "
                          f"data.manifest") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ShardError(f"{url}: shard format {found!r}, this code reads format "
-                         f"{FORMAT_VERSION}; re-run the featurizer")
+    found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    if type(found) is not int or found not in READABLE_FORMATS:  # not True, 1.0 or "1"
+        raise ShardError(f"{url}: shard format {found!r}, this code reads formats "
+                         f"{' and '.join(map(str, READABLE_FORMATS))}; re-run this code's "
+                         f"featurizer (the manifest's created_by command) to rewrite the set")
     return manifest
 
 
@@ -212,7 +234,7 @@ def locate_split(spec: str | None, split: str, manifest: str | None = None,
                          f"missing, e.g. {missing[:3]}: re-run the featurizer command of "
                          f"{where} (created_by) with the same --out to rewrite them")
     images, captions = _counts(splits[split], [entry for _, entry in chosen], where, spec)
-    return SplitShards(split, shards, images, captions, where)
+    return SplitShards(split, shards, images, captions, where, entries["format"])
 
 
 def _listed_shards(spec: str, split: str, listed: dict[str, dict], splits: dict,
