@@ -62,10 +62,10 @@ def bench_case(name: str, local_pairs: int, workers: int, args, generator) -> di
     v.requires_grad_(True)
     s.requires_grad_(True)
 
-    def step():
-        out = loss_fn(v, v_owner, s, s_owner, image_key,
-                      own_pairs=None if workers == 1 else own_pairs)
-        out["loss"].backward()
+    def step():  # one rank's terms, as DeFragLoss computes them on the gathered batch
+        terms = loss_fn.rank_terms(v, v_owner, s, s_owner, image_key,
+                                   None if workers == 1 else own_pairs)
+        loss_fn.combine(terms, terms.label_counts)["loss"].backward()
         v.grad = s.grad = None
 
     seconds = median_time(step, args.repeats)

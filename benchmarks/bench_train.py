@@ -65,17 +65,17 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
     ctx = DistContext(rank, world_size, rank, torch.device("cpu"))
     trainer = Trainer(cfg, ctx, DeFragModel.from_config(cfg.model, vocab), vocab,
                       Tracker(None, None, None), TrainState())
-    loader, _ = make_train_loader(cfg, vocab, rank, world_size, 0, args.batch // world_size)
+    loader, _ = make_train_loader(cfg, vocab, rank, world_size)
     batches = [b.to("cpu") for _, b in zip(range(args.steps + 1), loader, strict=False)]
     out = {"processes": world_size, "pairs_per_step": args.batch,
            "images_per_step": sum(len(b.image_ids) for b in batches) / len(batches) * world_size}
-    trainer.prepare_engine(0)  # phase 1, a later epoch: every box's features are cached
+    trainer.start_epoch(0)  # phase 1, a later epoch: every box's features are cached
     trainer.model.train()
     for batch in batches:
         trainer.cache.lookup(trainer.model, batch.images, batch.boxes, batch.box_image,
-                             batch.image_ids)
+                             batch.image_ids, batch.decoded)
     out["frozen_step_s"] = median_seconds(lambda b: trainer.train_step(b, 0), batches)
-    trainer.prepare_engine(1)  # phase 2: MIL, CNN finetuned
+    trainer.start_epoch(1)  # phase 2: MIL, CNN finetuned
     trainer.model.train()
 
     def bare_cnn(batch):

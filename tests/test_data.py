@@ -56,7 +56,7 @@ def split_pairs(metadata: dict[str, dict], split: str) -> Counter:
 
 def batch_pairs(batch: Batch) -> list[tuple[str, str]]:
     return [(batch.image_ids[row], text)
-            for row, text in zip(batch.pair_image.tolist(), batch.captions, strict=True)]
+            for row, text in zip(batch.sentence_image.tolist(), batch.captions, strict=True)]
 
 
 def epoch_pairs(cfg: Config, vocab: Vocabulary, batch_size: int, world_size: int,
@@ -95,7 +95,7 @@ def test_batches_hold_deduplicated_images_boxes_and_fragments(
         assert batch.images.dtype == torch.float32 and batch.images.shape == (n_img, 3, SIZE, SIZE)
         assert batch.images.min() >= 0 and batch.images.max() <= 1
         assert len(set(batch.image_ids)) == n_img  # each image once
-        assert sorted(set(batch.pair_image.tolist())) == list(range(n_img))
+        assert sorted(set(batch.sentence_image.tolist())) == list(range(n_img))
         for row, image_id in enumerate(batch.image_ids):
             meta = metadata[image_id]
             source = Image.open(shards / "source" / meta["file"]).convert("RGB")
@@ -110,9 +110,10 @@ def test_batches_hold_deduplicated_images_boxes_and_fragments(
         assert ((batch.boxes >= 0) & (batch.boxes <= SIZE)).all()
         for pair, (image_id, text) in enumerate(batch_pairs(batch)):
             caption = next(c for c in metadata[image_id]["captions"] if c["text"] == text)
-            assert torch.equal(batch.fragments[batch.fragment_pair == pair], vocab.encode(caption))
+            assert torch.equal(batch.fragments[batch.fragment_sentence == pair],
+                               vocab.encode(caption))
             assert batch.image_key[pair] == keys.setdefault(image_id, image_key(image_id))
-        assert batch.fragment_pair.max() < n_pairs
+        assert batch.fragment_sentence.max() < n_pairs
     assert len(set(keys.values())) == len(keys)  # distinct images, distinct keys
 
 
@@ -125,7 +126,7 @@ def test_fragment_modes(shards: Path, vocab: Vocabulary, metadata: dict[str, dic
     for pair, (image_id, text) in enumerate(batch_pairs(batch)):
         caption = next(c for c in metadata[image_id]["captions"] if c["text"] == text)
         expected = vocab.encode(caption, mode)
-        assert torch.equal(batch.fragments[batch.fragment_pair == pair], expected)
+        assert torch.equal(batch.fragments[batch.fragment_sentence == pair], expected)
         if mode == "bow":
             assert len(expected) == sum(w in vocab.word_index for w in caption["tokens"])
     assert (batch.fragments[:, 0] == 0).all()  # BoW and bigrams share one relation
@@ -197,18 +198,18 @@ def eval_batches(cfg: Config, vocab: Vocabulary, split: str | None = None,
     eval_set = load_eval_set(cfg, vocab, split, max_images, rank=0, world_size=1)
     batches = list(eval_set.batches(size))
     assert all(len(b.image_ids) <= size for b in batches)
-    images = [Batch(b.images, b.boxes, b.box_image, b.pair_image, b.fragments, b.fragment_pair,
-                    b.image_key, b.image_ids, b.captions) for b in batches]
-    first_image = np.cumsum([0] + [len(b.image_ids) for b in images[:-1]])
-    first_pair = np.cumsum([0] + [len(b.captions) for b in images[:-1]])
+    first_image = np.cumsum([0] + [len(b.image_ids) for b in batches[:-1]])
+    first_sentence = np.cumsum([0] + [len(b.captions) for b in batches[:-1]])
     whole = Batch(
-        torch.cat([b.images for b in images]), torch.cat([b.boxes for b in images]),
-        torch.cat([b.box_image + int(k) for b, k in zip(images, first_image, strict=True)]),
-        torch.cat([b.pair_image + int(k) for b, k in zip(images, first_image, strict=True)]),
-        torch.cat([b.fragments for b in images]),
-        torch.cat([b.fragment_pair + int(k) for b, k in zip(images, first_pair, strict=True)]),
-        torch.cat([b.image_key for b in images]),
-        [i for b in images for i in b.image_ids], [c for b in images for c in b.captions])
+        torch.cat([b.images for b in batches]), [d for b in batches for d in b.decoded],
+        torch.cat([b.boxes for b in batches]),
+        torch.cat([b.box_image + int(k) for b, k in zip(batches, first_image, strict=True)]),
+        torch.cat([b.sentence_image + int(k) for b, k in zip(batches, first_image, strict=True)]),
+        torch.cat([b.fragments for b in batches]),
+        torch.cat([b.fragment_sentence + int(k)
+                   for b, k in zip(batches, first_sentence, strict=True)]),
+        torch.cat([b.image_key for b in batches]),
+        [i for b in batches for i in b.image_ids], [c for b in batches for c in b.captions])
     return whole, eval_set.problems
 
 
@@ -222,9 +223,9 @@ def test_eval_set_has_every_image_once_with_all_its_captions(
     assert whole.images.dtype == torch.uint8 and whole.images.shape == (10, 3, SIZE, SIZE)
     expected = [c for image_id in val for c in metadata[image_id]["captions"]]
     assert whole.captions == [c["text"] for c in expected]
-    assert whole.pair_image.tolist() == [row for row in range(10) for _ in range(5)]
+    assert whole.sentence_image.tolist() == [row for row in range(10) for _ in range(5)]
     for sentence, caption in enumerate(expected):
-        assert torch.equal(whole.fragments[whole.fragment_pair == sentence],
+        assert torch.equal(whole.fragments[whole.fragment_sentence == sentence],
                            vocab.encode(caption))
     assert torch.bincount(whole.box_image).tolist() == [
         min(2, len(metadata[i]["boxes"])) for i in val]
@@ -236,9 +237,9 @@ def test_eval_set_has_every_image_once_with_all_its_captions(
     # by sentence.
     v = torch.randn(len(whole.boxes), 8)
     s = torch.randn(len(whole.fragments), 8)
-    scores = score_matrix(v, whole.box_image, s, whole.fragment_pair, 10, 50)
+    scores = score_matrix(v, whole.box_image, s, whole.fragment_sentence, 10, 50)
     assert scores.shape == (10, 50)
-    assert 0 <= retrieval_metrics(scores, whole.pair_image)["rsum"] <= 600
+    assert 0 <= retrieval_metrics(scores, whole.sentence_image)["rsum"] <= 600
 
 
 def test_an_undecodable_image_is_skipped_with_a_warning(
@@ -351,7 +352,7 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
                                                    metadata: dict[str, dict],
                                                    workers: int) -> None:
     """Images named in skip_pixels are not decoded: the same batches (pairs, boxes, fragments),
-    zero pixels for those images, 1x1 placeholders when no image of a batch is decoded."""
+    those images marked undecoded with zero pixels, and no images at all in a batch of them."""
     cfg = make_config(shards, {"max_boxes": 3, "workers": workers})
     loader, _ = make_train_loader(cfg, vocab, batch_size=12)
     decoded = list(loader)
@@ -361,15 +362,18 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
         loader.set_epoch(0, skip_pixels=frozenset(skip))
         for full, bare in zip(decoded, list(loader), strict=True):
             assert batch_pairs(full) == batch_pairs(bare)
-            for name in ("boxes", "box_image", "fragments", "fragment_pair", "image_key"):
+            for name in ("boxes", "box_image", "fragments", "fragment_sentence", "image_key"):
                 assert torch.equal(getattr(full, name), getattr(bare, name)), name
+            assert bare.decoded == [image_id not in skip for image_id in bare.image_ids]
+            assert full.decoded == [True] * len(full.image_ids)
+            if not any(bare.decoded):  # always so when every image is skipped
+                assert bare.images is None
+                continue
             for row, image_id in enumerate(bare.image_ids):
                 if image_id in skip:
                     assert not bare.images[row].any()
                 else:
                     assert torch.equal(bare.images[row], full.images[row])
-            if skip is train_ids:
-                assert bare.images.shape == (len(bare.image_ids), 3, 1, 1)
 
 
 def test_a_resumed_epoch_skips_its_first_batches_in_the_same_order(

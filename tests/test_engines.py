@@ -1,5 +1,5 @@
 """One training step over 2 and 3 real gloo processes, with DDP and with DeepSpeed ZeRO, gives
-the same parameters as one process stepping on the concatenated batch (DESIGN.md section 4).
+the same parameters as one process stepping on the concatenated batch (docs/design.md section 7).
 
 The step is the trainer's own (`Trainer.train_step`: real EfficientNet-Lite0, RoIAlign regions,
 global-negative gather, loss scaling, engine backward and SGD step) on real synthetic shards.
@@ -49,7 +49,7 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
     batch = collate([images[i].pairs()[c] for i, c in pair_ids])
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
     trainer = Trainer(cfg, ctx, model, vocab, Tracker(None, None, None), TrainState())
-    trainer.prepare_engine(epoch)
+    trainer.start_epoch(epoch)
     trainer.model.train()
     trainer.train_step(batch.to(ctx.device), epoch)
     return [p.detach().clone() for p in model.parameters()]
@@ -97,7 +97,7 @@ def test_gradients_have_their_parameters_layout(shards, region_mode) -> None:
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
     model.image.set_cnn_trainable(True)
     v_box, s = model(batch.images, batch.boxes, batch.box_image, batch.fragments,
-                     batch.fragment_pair)
+                     batch.fragment_sentence)
     (v_box.sum() + s.sum()).backward()
     learned = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
     assert len(learned) > 40  # the CNN's convolutions included (batch norm stays fixed)

@@ -54,6 +54,20 @@ def test_lookup_equals_the_cnn_and_reuses_cached_features(tmp_path: Path) -> Non
         new_image, boxes[[5]], torch.tensor([0])))
 
 
+def test_undecoded_images_are_served_from_the_cache_only() -> None:
+    """A feature-only batch (no images, none decoded) gets its cached features; an undecoded
+    image whose features are missing is an error naming it, never features of zeros."""
+    model = tiny_model().eval()
+    images, boxes, box_image, ids = images_and_boxes()
+    cache = FeatureCache()
+    expected = cache.lookup(model, images, boxes, box_image, ids)
+    torch.testing.assert_close(cache.lookup(model, None, boxes, box_image, ids, [False] * 3),
+                               expected)
+    with pytest.raises(RuntimeError, match="no features for image w and its pixels were not"):
+        cache.lookup(model, torch.cat([images[:1], torch.zeros(1, 3, 64, 64)]), boxes[:2],
+                     torch.tensor([0, 1]), ["x", "w"], [True, False])
+
+
 def test_features_survive_on_disk_per_settings(tmp_path: Path) -> None:
     model = tiny_model().eval()
     images, boxes, box_image, ids = images_and_boxes()

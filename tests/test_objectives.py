@@ -1,11 +1,22 @@
-"""The objective against a slow reference written straight from the paper's equations 4-7."""
+"""The objective against a slow reference written straight from the paper's equations 4-7, and
+its distributed contract: W ranks give the gradients of one process on the concatenated batch."""
 
 import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from trainer.objectives import DeFragLoss, fragment_labels, pair_scores, same_group_entries
+from trainer.distributed import end_process
+from trainer.objectives import (
+    DeFragLoss,
+    gather_global_batch,
+    mil_labels,
+    pair_scores,
+    same_group_entries,
+    sum_over_ranks,
+)
 
 
 def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth):
@@ -26,7 +37,7 @@ def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smo
 def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smooth=5.0,
                    mil=True, balance=True, use_fragment=True, use_global=True,
                    hardest_negative=False):
-    """C = C_F + beta C_G exactly as DESIGN.md section 3 states it, one scalar at a time."""
+    """C = C_F + beta C_G exactly as docs/design.md section 4 states it, one scalar at a time."""
     B = len(image_key)
     F = [[v[i] @ s[j] for j in range(len(s))] for i in range(len(v))]
     labels = {}  # (i, j) -> +1 / -1 for the included fragment pairs
@@ -141,7 +152,7 @@ def test_positive_bag_without_positive_score_gets_its_best_member():
     image_key = torch.tensor([0, 1])
     rows, cols = same_group_entries(v_owner, s_owner)
     assert list(zip(rows.tolist(), cols.tolist(), strict=True)) == [(0, 0), (1, 0), (2, 1)]
-    labels = fragment_labels((v @ s.T).detach()[rows, cols], rows, cols, 2, mil=True)
+    labels = mil_labels((v @ s.T).detach()[rows, cols], rows, cols, 2, mil=True)
     # Sentence fragment 0: bag {0, 1} scores {-1, -0.5} -> fragment 1 becomes positive.
     # Sentence fragment 1: bag {2} scores {-2} -> fragment 2 becomes positive.
     assert labels.tolist() == [False, True, True]
@@ -152,9 +163,9 @@ def test_mil_ties_pick_the_first_bag_member():
     # Column 0's bag: rows 3, 1, 2 (listed out of order) with a tie at -0.5 between rows 1, 2.
     scores = torch.tensor([-1.0, -0.5, -0.5, 0.0, 2.0])
     rows, cols = torch.tensor([3, 2, 1, 0, 0]), torch.tensor([0, 0, 0, 1, 2])
-    labels = fragment_labels(scores, rows, cols, 3, mil=True)
+    labels = mil_labels(scores, rows, cols, 3, mil=True)
     assert labels.tolist() == [False, False, True, True, True]
-    assert fragment_labels(scores, rows, cols, 3, mil=False).all()
+    assert mil_labels(scores, rows, cols, 3, mil=False).all()
 
 
 def test_same_group_entries_lists_every_matching_entry():
@@ -188,7 +199,8 @@ def test_pair_scores_gradient_matches_reference():
 @pytest.mark.parametrize("num_ranks", [2, 3])
 @pytest.mark.parametrize("mil,hardest_negative", [(True, False), (False, False), (True, True)])
 def test_per_rank_terms_sum_to_the_global_loss(num_ranks, mil, hardest_negative):
-    """The decomposition distributed training relies on: own-row losses sum to the full loss."""
+    """The decomposition the gathered loss relies on, in one process: the terms of each rank's
+    own pairs, weighted with the label counts of all ranks, sum to the whole batch's loss."""
     batch = make_batch(image_frags=[3, 2, 4, 1, 2, 5, 2], sentence_frags=[2, 3, 0, 4, 1, 2, 3],
                        image_key=[10, 11, 12, 11, 13, 10, 14], seed=6)
     v, v_owner, s, s_owner, image_key = batch
@@ -197,13 +209,9 @@ def test_per_rank_terms_sum_to_the_global_loss(num_ranks, mil, hardest_negative)
     full_grads = torch.autograd.grad(full["loss"], (v, s))
 
     rank_of_pair = torch.arange(len(image_key)) % num_ranks
-    local_counts = []
-    for rank in range(num_ranks):  # first pass: each rank's own label counts
-        loss(*batch, own_pairs=rank_of_pair == rank,
-             sum_over_ranks=lambda c: local_counts.append(c) or c)
-    global_counts = torch.stack(local_counts).sum(0)
-    parts = [loss(*batch, own_pairs=rank_of_pair == rank, sum_over_ranks=lambda c: global_counts)
-             for rank in range(num_ranks)]
+    terms = [loss.rank_terms(*batch, own_pairs=rank_of_pair == rank) for rank in range(num_ranks)]
+    label_counts = sum(t.label_counts for t in terms)
+    parts = [loss.combine(t, label_counts) for t in terms]
     for key in ("loss", "fragment", "global"):
         torch.testing.assert_close(sum(p[key] for p in parts), full[key], msg=key)
     part_grads = torch.autograd.grad(sum(p["loss"] for p in parts), (v, s))
@@ -216,3 +224,67 @@ def test_invalid_switches_are_rejected():
         DeFragLoss(smooth=-1)
     with pytest.raises(ValueError, match="use_fragment"):
         DeFragLoss(use_fragment=False, use_global=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient contract over real gloo processes: each rank calls the loss on its own pairs and
+# backpropagates; the mean of the ranks' gradients (what DDP and DeepSpeed apply) is the gradient
+# of one process on the concatenated batch, and `mean_over_ranks` is its loss.
+
+# Seven pairs split unevenly over the ranks; pairs 1 and 4 (and 0 and 5) share an image,
+# pair 2's sentence has no fragments, fragment counts differ per pair.
+IMAGE_FRAGS = [3, 2, 4, 1, 2, 5, 2]
+SENTENCE_FRAGS = [2, 3, 0, 4, 1, 2, 3]
+IMAGE_KEY = [10, 11, 12, 13, 11, 10, 14]
+SPLITS = {2: [3, 4], 3: [2, 4, 1]}  # pairs per rank
+
+
+def make_model_and_inputs():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"image": torch.nn.Linear(5, 8), "sentence": torch.nn.Linear(4, 8)})
+    model = model.double()
+    image_inputs = [torch.randn(n, 5, dtype=torch.float64) for n in IMAGE_FRAGS]
+    sentence_inputs = [torch.randn(n, 4, dtype=torch.float64) for n in SENTENCE_FRAGS]
+    return model, image_inputs, sentence_inputs
+
+
+def local_batch(model, image_inputs, sentence_inputs, pairs):
+    v = model["image"](torch.cat([image_inputs[p] for p in pairs]))
+    s = model["sentence"](torch.cat([sentence_inputs[p] for p in pairs]))
+    v_owner = torch.cat([torch.full((IMAGE_FRAGS[p],), i) for i, p in enumerate(pairs)])
+    s_owner = torch.cat([torch.full((SENTENCE_FRAGS[p],), i) for i, p in enumerate(pairs)])
+    return v, v_owner, s, s_owner, torch.tensor([IMAGE_KEY[p] for p in pairs])
+
+
+def gradient_contract_worker(rank, world_size, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    for mil, hardest_negative in ((True, False), (False, False), (True, True)):
+        check_gradients(rank, world_size,
+                        {"mil": mil, "beta": 0.5, "hardest_negative": hardest_negative})
+    end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
+
+
+def check_gradients(rank, world_size, switches):
+    model, image_inputs, sentence_inputs = make_model_and_inputs()
+    full = DeFragLoss(**switches)(*local_batch(model, image_inputs, sentence_inputs,
+                                               range(len(IMAGE_KEY))))
+    want = torch.autograd.grad(full["loss"], list(model.parameters()))
+
+    start = sum(SPLITS[world_size][:rank])
+    mine = local_batch(model, image_inputs, sentence_inputs,
+                       range(start, start + SPLITS[world_size][rank]))
+    assert gather_global_batch(*mine).image_key.tolist() == IMAGE_KEY
+    loss = DeFragLoss(**switches, world_size=world_size)
+    out = loss(*mine)
+    grads = torch.autograd.grad(out["loss"], list(model.parameters()))
+    assert loss.mean_over_ranks(out) == pytest.approx({k: float(full[k]) for k in full})
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(sum_over_ranks(got) / world_size, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathered_loss_gradients_equal_single_process(tmp_path, world_size):
+    mp.spawn(gradient_contract_worker, args=(world_size, str(tmp_path / "store")),
+             nprocs=world_size)

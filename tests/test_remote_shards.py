@@ -61,8 +61,8 @@ def assert_same_batches(got: list[list[Batch]], want: list[list[Batch]]) -> None
     for rank_got, rank_want in zip(got, want, strict=True):
         for step, (a, b) in enumerate(zip(rank_got, rank_want, strict=True)):
             assert batch_pairs(a) == batch_pairs(b), step
-            for name in ("images", "boxes", "box_image", "pair_image", "fragments",
-                         "fragment_pair", "image_key"):
+            for name in ("images", "boxes", "box_image", "sentence_image", "fragments",
+                         "fragment_sentence", "image_key"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
 
 

@@ -1,6 +1,7 @@
-"""trainer/retrieve.py end to end through `main([...])` on a tiny model and generated scenes:
-scores equal the evaluation's, the index cache is reused and invalidated, --explain draws the
-alignment, and bad inputs give clear messages."""
+"""trainer/retrieve.py and the modules it uses (embedder, embedding_cache, explain) end to end
+through `main([...])` on a tiny model and generated scenes: scores equal the evaluation's, the
+index cache is reused and invalidated, --explain draws the alignment, and bad inputs give clear
+messages."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+import trainer.embedder as embedder
 import trainer.retrieve as retrieve
 from featurizer.boxes import make_box_source, rebuild_box_source
 from featurizer.parsing import make_parser
@@ -22,6 +24,7 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.config import Config, DataConfig, ModelConfig
+from trainer.embedding_cache import CACHE_DIR
 from trainer.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, score_matrix
 from trainer.model import DeFragModel
@@ -97,7 +100,9 @@ def messages(caplog: pytest.LogCaptureFixture) -> str:
 
 @pytest.fixture(autouse=True)
 def info_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="trainer.retrieve")
+    for module in ("trainer.retrieve", "trainer.embedder", "trainer.embedding_cache",
+                   "trainer.explain"):
+        caplog.set_level(logging.INFO, logger=module)
 
 
 # ---------------------------------------------------------------- scores
@@ -108,7 +113,7 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
     model, cfg, vocab = load_model_folder(world.model_dir)
     embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
     assert embedded.captions == world.captions
-    scores = score_matrix(embedded.v, embedded.v_image, embedded.s, embedded.s_sentence,
+    scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth)
 
     report = run(capsys, "--model", world.model_dir, "--images", images, "--sentences",
@@ -120,7 +125,7 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
     expected = dict(zip(world.names, scores[:, 6].tolist(), strict=True))
     assert got == pytest.approx(expected, abs=1e-5)
     assert [r["score"] for r in by_image["results"]] == sorted(got.values(), reverse=True)
-    assert by_image["fragments"] == int((embedded.s_sentence == 6).sum())
+    assert by_image["fragments"] == int((embedded.fragment_sentence == 6).sum())
 
     best = torch.argsort(scores[1], descending=True, stable=True)[:NUM_VAL].tolist()
     assert [r["line"] for r in by_sentence["results"]] == [j + 1 for j in best]
@@ -135,14 +140,14 @@ def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture
     assert rebuild_box_source(given).max_boxes == 5  # description entries that are no option
     fullframe = make_box_source("fullframe").describe()
     cfg = Config()
-    assert retrieve._choose_boxes(cfg, {"box_source": fullframe}, None, None) == fullframe
-    assert retrieve._choose_boxes(cfg, {"box_source": given}, None, None)["name"] == (
+    assert embedder._choose_boxes(cfg, {"box_source": fullframe}, None, None) == fullframe
+    assert embedder._choose_boxes(cfg, {"box_source": given}, None, None)["name"] == (
         "selective_search")
     assert "trained on 'given' boxes, which new images do not have" in messages(caplog)
-    assert retrieve._choose_boxes(cfg, {"box_source": fullframe}, "detector", "w.pth") == {
+    assert embedder._choose_boxes(cfg, {"box_source": fullframe}, "detector", "w.pth") == {
         "name": "detector", "options": {"weights": "w.pth"}}
     only = Config(model=ModelConfig(fullframe_only=True))
-    assert retrieve._choose_boxes(only, None, "selective_search", None)["name"] == "fullframe"
+    assert embedder._choose_boxes(only, None, "selective_search", None)["name"] == "fullframe"
 
 
 def test_model_folder_remembers_the_training_parser_and_boxes(world: World,
@@ -153,8 +158,8 @@ def test_model_folder_remembers_the_training_parser_and_boxes(world: World,
     saved = json.loads((world.model_dir / "featurizer.json").read_text())
     assert saved == {"parser": manifest["parser"], "box_source": manifest["box_source"]}
     elsewhere = Config(data=DataConfig(shards=str(tmp_path / "not-here")))
-    assert retrieve._training_featurizer(world.model_dir, elsewhere) == saved
-    assert retrieve._training_featurizer(tmp_path, elsewhere) is None
+    assert embedder._training_featurizer(world.model_dir, elsewhere) == saved
+    assert embedder._training_featurizer(tmp_path, elsewhere) is None
 
 
 # ---------------------------------------------------------------- the index cache
@@ -169,7 +174,7 @@ def test_index_is_reused_then_invalidated(world: World, images: Path, tmp_path: 
             "--query", query, "--top-k", str(NUM_VAL)]
     first = run(capsys, *argv)
     assert f"{NUM_VAL} images written" in messages(caplog)
-    index = images / retrieve.INDEX_DIR
+    index = images / CACHE_DIR
     assert sorted(p.name for p in index.iterdir()) == [
         "images.json", "images.safetensors", "sentences.json", "sentences.safetensors"]
     written = {p.name: p.stat().st_mtime_ns for p in index.iterdir()}
@@ -178,7 +183,7 @@ def test_index_is_reused_then_invalidated(world: World, images: Path, tmp_path: 
         raise AssertionError("a cached image was embedded again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(retrieve, "read_image", no_embedding)
+        patch.setattr(embedder, "read_image", no_embedding)
         assert same_report(run(capsys, *argv), first)
     log = messages(caplog)
     assert f"all {NUM_VAL} images cached, up to date" in log
@@ -190,9 +195,9 @@ def test_index_is_reused_then_invalidated(world: World, images: Path, tmp_path: 
     shutil.copyfile(images / world.names[0], changed)
     os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
     embedded = []
-    original = retrieve.read_image
-    monkeypatch.setattr(retrieve, "read_image",
-                        lambda path, recipe: embedded.append(path.name) or original(path, recipe))
+    original = embedder.read_image
+    monkeypatch.setattr(embedder, "read_image", lambda path, inputs: embedded.append(path.name)
+                        or original(path, inputs))
     scores = {r["image"]: r["score"] for r in run(capsys, *argv)["queries"][0]["results"]}
     assert embedded == [world.names[1]]
     assert f"{NUM_VAL - 1} images cached, 0 new, 1 changed ['{world.names[1]}'], 0 removed" in (
@@ -218,7 +223,7 @@ def test_damaged_cache_is_rebuilt(world: World, images: Path,
                                   caplog: pytest.LogCaptureFixture) -> None:
     argv = ["--model", world.model_dir, "--images", images, "--query", world.captions[0]]
     first = run(capsys, *argv)
-    (images / retrieve.INDEX_DIR / "images.safetensors").write_bytes(b"garbage")
+    (images / CACHE_DIR / "images.safetensors").write_bytes(b"garbage")
     messages(caplog)
     assert same_report(run(capsys, *argv), first)
     assert "is unreadable" in messages(caplog)
@@ -246,7 +251,7 @@ def test_explain_draws_each_fragment_with_its_best_box(world: World, images: Pat
     caption = make_parser("spacy").parse([query])[0].caption(query)
     fragments = vocab.encode(caption, cfg.model.fragment_mode)
     labels = fragment_labels(fragments, vocab, cfg.model.fragment_mode)
-    image, boxes = retrieve.read_image(images / top, retrieve.make_recipe(
+    image, boxes = embedder.read_image(images / top, embedder.load_embedder(
         world.model_dir, "fullframe", None, "spacy"))
     with torch.no_grad():
         v = model.image(torch.tensor(image.pixels).permute(2, 0, 1)[None].float() / 255,
@@ -277,7 +282,7 @@ def test_selective_search_boxes_and_an_image_query(world: World, images: Path, t
     assert query["kind"] == "image" and query["boxes"] > 1
     assert report["explain"]["sentence"] == query["results"][0]["sentence"]
     assert report["explain"]["image"] == str(images / world.names[0])
-    meta = json.loads((images / retrieve.INDEX_DIR / "images.json").read_text())
+    meta = json.loads((images / CACHE_DIR / "images.json").read_text())
     assert meta["boxes"]["name"] == "selective_search"
     assert out.is_file()
 

@@ -1,9 +1,11 @@
 """A training batch: B (image, caption) pairs with each distinct image once, and the variable
-numbers of boxes and sentence fragments as flat tensors with owner indices (DESIGN.md section 3).
+numbers of boxes and sentence fragments as flat tensors with owner indices (docs/design.md
+section 4).
 
 Images stay uint8 until `Batch.to(device)` makes them float in [0, 1] on the device: the pair
 shuffle puts an image in several batches, and converting it for each on the CPU can cost more
-than decoding it.
+than decoding it. An image whose frozen-CNN features are cached (trainer/features.py) is not
+decoded at all: `Batch.decoded` says which are, and a batch of such images only has no `images`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-PLACEHOLDER_PIXELS = np.zeros((1, 1, 3), np.uint8)  # an image whose pixels were not decoded
-
 
 @dataclass
 class CaptionedImage:
@@ -26,7 +26,7 @@ class CaptionedImage:
 
     image_id: str
     image_key: int
-    pixels: np.ndarray  # uint8 [S, S, 3], as decoded
+    pixels: np.ndarray | None  # uint8 [S, S, 3], as decoded; None: not decoded (yet)
     boxes: np.ndarray  # float32 [n_box, 4] xyxy in resized pixels; row 0 = the whole image
     captions: list[str]
     fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
@@ -46,21 +46,25 @@ class Pair:
 
 @dataclass
 class Batch:
-    """B (image, caption) pairs: one rank's share of a training step.
+    """B (image, sentence) pairs: one rank's share of a training step (or, for evaluation, a
+    few images with every caption of each); the names are trainer/objectives.py's glossary.
 
     An image appears once even when several of the pairs share it; the boxes and sentence
     fragments of all pairs are flat tensors with owner indices.
     """
 
-    images: Tensor  # [n_img, 3, S, S]: the distinct images, first-seen order; uint8 (0-255)
-    #                 from the loader, float32 in [0, 1] after `to(device)`
+    images: Tensor | None  # [n_img, 3, S, S]: the distinct images, first-seen order; uint8
+    #                        (0-255) from the loader, float32 in [0, 1] after `to(device)`;
+    #                        None when no image is decoded (a feature-only batch)
+    decoded: list[bool]  # [n_img]: False for an image not decoded (its row is zeros), whose
+    #                      frozen-CNN features are cached
     boxes: Tensor  # float [N_box, 4] xyxy in resized pixels, grouped by image; row 0 = image
     box_image: Tensor  # long [N_box]: image row of each box
-    pair_image: Tensor  # long [B]: image row of each pair
-    fragments: Tensor  # long [Ns, 3]: (relation, w1, w2) of every caption, pair by pair
-    fragment_pair: Tensor  # long [Ns]: pair of each sentence fragment
-    image_key: Tensor  # long [B]: stable id of each pair's image (equal for one image's pairs)
-    image_ids: list[str]  # [n_img]
+    sentence_image: Tensor  # long [B]: image row of each sentence (pair)
+    fragments: Tensor  # long [Ns, 3]: (relation, w1, w2) of every sentence, one after another
+    fragment_sentence: Tensor  # long [Ns]: sentence (pair) of each sentence fragment
+    image_key: Tensor  # long [B]: stable key of each pair's image (equal for one image's pairs)
+    image_ids: list[str]  # [n_img]: the dataset's name of each image row
     captions: list[str]  # [B]
 
     def pin_memory(self) -> Batch:
@@ -72,6 +76,8 @@ class Batch:
         uint8 travels, 4x less to copy) and channels-last in memory, as decoded: the CNN's
         weights are channels-last too (trainer/model.py, ImageEncoder)."""
         moved = self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        if moved.images is None:
+            return moved
         return dataclasses.replace(moved, images=unit_float(moved.images))
 
     def _map_tensors(self, fn) -> Batch:
@@ -91,27 +97,31 @@ def collate(pairs: Sequence[Pair]) -> Batch:
     fragments = [pair.image.fragments[pair.caption] for pair in pairs]
     return Batch(
         images=stack_pixels(images),
+        decoded=[image.pixels is not None for image in images],
         boxes=torch.from_numpy(np.concatenate([image.boxes for image in images])),
         box_image=owners([len(image.boxes) for image in images]),
-        pair_image=torch.tensor([image_row[pair.image.image_id] for pair in pairs]),
+        sentence_image=torch.tensor([image_row[pair.image.image_id] for pair in pairs]),
         fragments=torch.from_numpy(np.concatenate(fragments)),
-        fragment_pair=owners([len(f) for f in fragments]),
+        fragment_sentence=owners([len(f) for f in fragments]),
         image_key=torch.tensor([pair.image.image_key for pair in pairs], dtype=torch.long),
         image_ids=[image.image_id for image in images],
         captions=[pair.image.captions[pair.caption] for pair in pairs],
     )
 
 
-def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor:
+def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor | None:
     """uint8 [n, 3, S, S] of the images, stored channels-last: each image is one plain copy of
     its decoded rows (an image is collated into several batches, and moving its channels first
     here cost the training process 0.3 ms per image; the CNN runs channels-last).
-    An image left undecoded (its features are cached, see trainer.features) is zeros; all of
-    them undecoded give S = 1."""
-    size = max(len(image.pixels) for image in images)
+    An image left undecoded (its features are cached, see trainer.features) is zeros; None when
+    no image is decoded."""
+    decoded = [image.pixels for image in images if image.pixels is not None]
+    if not decoded:
+        return None
+    size = len(decoded[0])
     pixels = np.empty((len(images), size, size, 3), np.uint8)
     for row, image in enumerate(images):
-        pixels[row] = image.pixels if len(image.pixels) == size else 0
+        pixels[row] = 0 if image.pixels is None else image.pixels
     return torch.from_numpy(pixels).permute(0, 3, 1, 2)
 
 

@@ -102,6 +102,14 @@ class OptimConfig:
     cnn_lr_scale: NonNegativeFloat = 1.0  # lr multiplier of the CNN parameters in phase 2
     grad_clip: PositiveFloat | None = None
 
+    def per_rank_batch(self, world_size: int) -> int:
+        """Pairs per rank and step: the GLOBAL `batch_size` split evenly over the ranks (the
+        loader, the engines and the trainer all ask here)."""
+        if self.batch_size < world_size:
+            raise ConfigError(f"optim.batch_size {self.batch_size} is smaller than the "
+                              f"{world_size} ranks; it is the GLOBAL batch size")
+        return self.batch_size // world_size
+
 
 @dataclass
 class DataConfig:

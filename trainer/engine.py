@@ -132,4 +132,4 @@ def build_engine(model: DeFragModel, cfg: Config, finetune_cnn: bool, device: to
     if cfg.run.engine == "ddp":
         return DDPEngine(model, optimizer, device, world_size, cfg.optim.grad_clip)
     bf16 = cfg.run.bf16 and device.type == "cuda"
-    return DeepSpeedEngine(model, optimizer, cfg, cfg.optim.batch_size // world_size, bf16)
+    return DeepSpeedEngine(model, optimizer, cfg, cfg.optim.per_rank_batch(world_size), bf16)

@@ -1,9 +1,9 @@
 """The eval set: every usable image of a split once, with all its captions as sentences, streamed
 through the shard reader in bounded memory (trainer/reader.py).
 
-It arrives as `Batch`es of a few images holding every caption of those images (a pair is then a
-sentence: `fragment_pair` owns sentence fragments, `pair_image` is each sentence's image), so an
-eval set of any size never holds more decoded images than one batch and the loader's prefetch.
+It arrives as `Batch`es of a few images holding every caption of those images as sentences
+(`fragment_sentence`, `sentence_image`, as in training), so an eval set of any size never holds
+more decoded images than one batch and the loader's prefetch.
 With several ranks, rank r reads shards r, r + world_size, ... of the split (trainer/evaluate.py
 gathers their embeddings).
 """

@@ -2,7 +2,7 @@
 
 `score_matrix` turns fragment embeddings into image-sentence scores S [N_img, N_sent] block by
 block, so that a 1,000-image test set never holds its [20k, 50k] fragment scores at once.
-`retrieval_metrics` ranks with S in both directions (DESIGN.md section 3, the vsepp / SCAN
+`retrieval_metrics` ranks with S in both directions (docs/design.md section 5, the vsepp / SCAN
 convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh et al.
 """
 
@@ -136,9 +136,9 @@ class Embedded:
     """Fragment embeddings of an eval set (on the CPU), rows grouped by image and sentence."""
 
     v: torch.Tensor  # float [N_box, d]
-    v_image: torch.Tensor  # long [N_box]: image row of each image fragment
+    box_image: torch.Tensor  # long [N_box]: image row of each image fragment
     s: torch.Tensor  # float [Ns, d]
-    s_sentence: torch.Tensor  # long [Ns]: sentence row of each sentence fragment
+    fragment_sentence: torch.Tensor  # long [Ns]: sentence row of each sentence fragment
     sentence_image: torch.Tensor  # long [N_sent]: image row of each sentence
     image_ids: list[str]
     captions: list[str]
@@ -155,15 +155,15 @@ class Embedded:
     @staticmethod
     def concat(parts: list[Embedded]) -> Embedded:
         """The images and sentences of `parts` one after the other (rows renumbered)."""
-        v_image, s_sentence, sentence_image = [], [], []
+        box_image, fragment_sentence, sentence_image = [], [], []
         images = sentences = 0
         for part in parts:
-            v_image.append(part.v_image + images)
-            s_sentence.append(part.s_sentence + sentences)
+            box_image.append(part.box_image + images)
+            fragment_sentence.append(part.fragment_sentence + sentences)
             sentence_image.append(part.sentence_image + images)
             images, sentences = images + part.num_images, sentences + part.num_sentences
-        return Embedded(torch.cat([part.v for part in parts]), torch.cat(v_image),
-                        torch.cat([part.s for part in parts]), torch.cat(s_sentence),
+        return Embedded(torch.cat([part.v for part in parts]), torch.cat(box_image),
+                        torch.cat([part.s for part in parts]), torch.cat(fragment_sentence),
                         torch.cat(sentence_image),
                         [item for part in parts for item in part.image_ids],
                         [item for part in parts for item in part.captions],
@@ -189,11 +189,12 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
                                                        batch.box_image)
             else:
                 features = cache.lookup(model, batch.images, batch.boxes, batch.box_image,
-                                        batch.image_ids)
+                                        batch.image_ids, batch.decoded)
             v = model.image.project(features, batch.box_image).float().cpu()
-            s = model.sentence(batch.fragments, batch.fragment_pair).float().cpu()
-            parts.append(Embedded(v, batch.box_image.cpu(), s, batch.fragment_pair.cpu(),
-                                  batch.pair_image.cpu(), batch.image_ids, batch.captions, []))
+            s = model.sentence(batch.fragments, batch.fragment_sentence).float().cpu()
+            parts.append(Embedded(v, batch.box_image.cpu(), s, batch.fragment_sentence.cpu(),
+                                  batch.sentence_image.cpu(), batch.image_ids, batch.captions,
+                                  []))
             bar.update(len(batch.image_ids))
     model.train(was_training)
     dim = model.image.projection.out_features
@@ -230,7 +231,7 @@ def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
                           cfg.eval.allow_incomplete or eval_set.max_images is not None)
     if embedded.num_sentences == 0:
         raise IncompleteSplit(f"no usable image in split {eval_set.split.name!r}: {line}")
-    scores = score_matrix(embedded.v, embedded.v_image, embedded.s, embedded.s_sentence,
+    scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth,
                           cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress)
     metrics = retrieval_metrics(scores, embedded.sentence_image)

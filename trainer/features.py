@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,19 @@ class FeatureCache:
             self._load()
 
     @torch.no_grad()
-    def lookup(self, model: DeFragModel, images: torch.Tensor, boxes: torch.Tensor,
-               box_image: torch.Tensor, image_ids: list[str]) -> torch.Tensor:
-        """Features [len(boxes), feature_dim] of the boxes of `images`, on the boxes' device."""
+    def lookup(self, model: DeFragModel, images: torch.Tensor | None, boxes: torch.Tensor,
+               box_image: torch.Tensor, image_ids: list[str],
+               decoded: Sequence[bool] | None = None) -> torch.Tensor:
+        """Features [len(boxes), feature_dim] of the boxes of `images`, on the boxes' device.
+
+        `decoded` (a Batch's; default all) says which images have pixels: only those can be
+        computed, the others must be cached."""
         missing = [i for i, key in enumerate(image_ids) if key not in self.features]
-        if missing and images.shape[-1] <= 1:
-            raise RuntimeError(f"feature cache: no features for image {image_ids[missing[0]]} "
-                               f"and its pixels were not decoded (the loader was told its "
-                               f"features were cached)")
+        without_pixels = [i for i in missing if decoded is not None and not decoded[i]]
+        if without_pixels:
+            raise RuntimeError(f"feature cache: no features for image "
+                               f"{image_ids[without_pixels[0]]} and its pixels were not decoded "
+                               f"(the loader was told its features were cached)")
         # The CNN runs on the missing images only, one at a time: an image's features must not
         # depend on the images that shared its forward pass (CPU convolutions round differently
         # for other batch sizes), or a run resumed mid-epoch would drift from the original.

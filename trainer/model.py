@@ -58,15 +58,16 @@ class SentenceEncoder(nn.Module):
         self.mean_pool = mean_pool
 
     def forward(self, fragments: torch.Tensor,
-                sentence: torch.Tensor | None = None) -> torch.Tensor:
+                fragment_sentence: torch.Tensor | None = None) -> torch.Tensor:
         """Fragments [Ns, 3] of (relation, w1, w2) ids -> embeddings s [Ns, embed_dim].
 
         Rows are sorted by relation so each W_R is one matmul over its contiguous group (every
         W_R joins the graph, even with an empty group, so all parameters always get a gradient).
-        With `mean_pool` (DeViSE), each fragment becomes the mean over its `sentence` [Ns] of
-        the linear maps, i.e. the linear map of the mean word vector in BoW mode, and no ReLU:
-        DeViSE's sentence side is linear. With a ReLU, every sentence vector is non-negative and
-        alike, and the global objective drove all scores to 0 at once (measured on Flickr8k).
+        With `mean_pool` (DeViSE), each fragment becomes the mean over its sentence
+        (`fragment_sentence` [Ns]) of the linear maps, i.e. the linear map of the mean word
+        vector in BoW mode, and no ReLU: DeViSE's sentence side is linear. With a ReLU, every
+        sentence vector is non-negative and alike, and the global objective drove all scores to
+        0 at once (measured on Flickr8k).
         """
         relation = fragments[:, 0]
         words = F.embedding(fragments[:, 1:], self.word_vectors).flatten(1)  # [Ns, 2d]
@@ -82,9 +83,9 @@ class SentenceEncoder(nn.Module):
                               zip(self.weight.unbind(0), self.bias.unbind(0), groups, strict=True)])
         s = sorted_s[torch.argsort(order)]
         if self.mean_pool:
-            if sentence is None:
+            if fragment_sentence is None:
                 raise ValueError("mean-pooled sentence encoder: pass each fragment's sentence")
-            return mean_by_owner(s, sentence)
+            return mean_by_owner(s, fragment_sentence)
         return torch.relu(s)
 
 
@@ -215,13 +216,13 @@ class DeFragModel(nn.Module):
                                  cfg.roi_output_size, cfg.freeze_batchnorm, cfg.mean_pool)
         return cls(sentence, image)
 
-    def forward(self, images: torch.Tensor, boxes: torch.Tensor, box_image: torch.Tensor,
+    def forward(self, images: torch.Tensor | None, boxes: torch.Tensor, box_image: torch.Tensor,
                 fragments: torch.Tensor, fragment_sentence: torch.Tensor,
                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image fragments v [Nv, embed_dim] (eq. 2) and sentence fragments s [Ns, embed_dim]
         (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs.
         Given `features` (the boxes' CNN features, e.g. cached from a frozen CNN), the CNN is
-        skipped."""
+        skipped and `images` may be None (a feature-only batch, trainer/batch.py)."""
         if features is None:
             features = self.image.region_features(images, boxes, box_image)
         return self.image.project(features, box_image), self.sentence(fragments,

@@ -1,22 +1,40 @@
-"""The DeFrag objective (paper Section 3.3): C = C_F + beta * C_G (eq. 3).
+"""The DeFrag objective (paper Section 3.3): C = C_F + beta * C_G (eq. 3), on one rank or many.
 
-Inputs are flat fragment embeddings with owner indices: image fragments `v [Nv, d]` owned by
-pairs `v_owner [Nv]`, sentence fragments `s [Ns, d]` owned by pairs `s_owner [Ns]`, and the
-dataset image id of each pair `image_key [B]` (two pairs of one image are never negatives of
-each other). Everything is vectorised over the fragment score matrix F = v s^T.
+Names, one per idea, the same from the batch (trainer/batch.py) through the model to this loss:
+  pair k           the k-th (image, sentence) of a batch; sentence k is pair k's caption, so a
+                   sentence index is a pair index (the loss says pair, the batch sentence)
+  v, v_owner       image fragments [Nv, d] (eq. 2) and each one's pair (each one's image in
+                   `pair_scores`); the model embeds `Batch.boxes`, owned by image rows
+                   (`box_image`), and an image's fragments are repeated for each of its pairs
+  s, s_owner       sentence fragments [Ns, d] (eq. 1) and each one's sentence:
+                   `Batch.fragment_sentence`
+  sentence_image   the image row of each sentence (`Batch.sentence_image`)
+  image_key        [B] int64: a stable key of each pair's image; pairs with one key are never
+                   each other's negatives (`trainer.reader.image_key` of the image's id)
+  image_id         an image's name in the dataset (str; `Batch.image_ids` per image row)
+  F = v s^T        fragment scores; S [images, sentences]: eq. 6's scores (`pair_scores`)
+  y_ij             the MIL labels of eq. 5 (`mil_labels`)
 
-Distributed training (DESIGN.md section 4) calls the same loss with the gathered global batch
-and `own_pairs`, the pairs of this rank: the rank then computes only the terms of its own rows
-(its image fragments against all sentence fragments; all image fragments against its own
-sentences for the column-wise ranking term), so the ranks' losses sum to the global loss.
+Distributed training (docs/design.md section 7): with `world_size` W > 1 every rank calls the
+loss on its own pairs. With `global_negatives` the loss all-gathers every rank's fragments (with
+autograd) and computes only the terms of its own rows: its image fragments against all sentence
+fragments, and all image fragments against its own sentences for eq. 7's column-wise term; the
+balance weights' label counts are summed over ranks. The ranks' terms then sum to the global
+batch's loss; each rank returns W x its terms, so that the mean over ranks, which DDP and
+DeepSpeed take of the gradients, is the global batch's loss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
+
+TERMS = ("loss", "fragment", "global")  # the values of DeFragLoss's output
 
 
 def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
@@ -67,8 +85,7 @@ def same_group_entries(row_group: Tensor, col_group: Tensor) -> tuple[Tensor, Te
     return rows, col_order[torch.repeat_interleave(first, count) + within]
 
 
-def fragment_labels(scores: Tensor, rows: Tensor, cols: Tensor, num_cols: int,
-                    mil: bool) -> Tensor:
+def mil_labels(scores: Tensor, rows: Tensor, cols: Tensor, num_cols: int, mil: bool) -> Tensor:
     """Positive labels (y_ij = +1) of same-pair entries (rows[e], cols[e]) with scores F_e.
 
     MIL off (C_0, eq. 4): every fragment pair of a corresponding image-sentence pair is positive.
@@ -88,36 +105,73 @@ def fragment_labels(scores: Tensor, rows: Tensor, cols: Tensor, num_cols: int,
     return positive | (candidate & (rows == first[cols]))
 
 
+class RankTerms(NamedTuple):
+    """The loss terms of some pairs (one rank's), before C_F's balance weights: those need the
+    label counts of the whole batch, the sum of every rank's `label_counts`."""
+
+    positive: Tensor  # sum of max(0, 1 - F_ij) over the positive fragment pairs (eq. 4/5)
+    negative: Tensor  # sum of max(0, 1 + F_ij) over the negative ones
+    label_counts: Tensor  # [|P|, |N|]: positive and negative fragment pairs counted
+    ranking: Tensor  # C_G (eq. 7): these pairs' hinges over all B pairs
+
+
 class DeFragLoss(nn.Module):
     """C = C_F + beta * C_G: fragment alignment (eq. 4/5) plus global ranking (eq. 7).
 
     `hardest_negative` (not in the paper; VSE++, Faghri et al. 2018) replaces eq. 7's sums over
     the negatives l by their maximum: each pair k is ranked against its hardest sentence and
-    its hardest image of the (global) batch.
+    its hardest image of the (global) batch. With `world_size` > 1 each rank passes its own
+    pairs; `global_negatives` gathers every rank's fragments, so that negatives span the global
+    batch (module doc); without, each rank's loss is that of its local batch.
     """
 
     def __init__(self, beta: float = 1.0, margin: float = 1.0, smooth: float = 5.0,
                  mil: bool = True, balance: bool = True, use_fragment: bool = True,
-                 use_global: bool = True, hardest_negative: bool = False) -> None:
+                 use_global: bool = True, hardest_negative: bool = False, world_size: int = 1,
+                 global_negatives: bool = True) -> None:
         super().__init__()
         if smooth < 0:
             raise ValueError(f"smooth must be >= 0 (eq. 6's n), got {smooth}")
         if not (use_fragment or use_global):
             raise ValueError("DeFragLoss: enable at least one of use_fragment / use_global")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.beta, self.margin, self.smooth = beta, margin, smooth
         self.mil, self.balance = mil, balance
         self.use_fragment, self.use_global = use_fragment, use_global
         self.hardest_negative = hardest_negative
+        self.world_size, self.global_negatives = world_size, global_negatives
 
-    def forward(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, image_key: Tensor,
-                own_pairs: Tensor | None = None,
-                sum_over_ranks: Callable[[Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+    def forward(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
+                image_key: Tensor) -> dict[str, Tensor]:
         """Loss of a batch of B = len(image_key) pairs; keys "loss", "fragment", "global".
 
-        `own_pairs` (bool [B], default all) restricts the computed terms to this rank's pairs;
-        `sum_over_ranks` all-reduces the positive / negative label counts so that the balance
-        weights 1/|P| and 1/|N| are global (default: the counts are already global).
+        On W > 1 ranks the batch is this rank's, and the values are scaled so that their mean
+        over ranks (`mean_over_ranks`; DDP averages gradients alike) is the objective: the
+        global batch's loss with `global_negatives`, else the mean of the local batches' losses.
         """
+        if self.world_size == 1 or not self.global_negatives:
+            terms = self.rank_terms(v, v_owner, s, s_owner, image_key)
+            return self.combine(terms, terms.label_counts)
+        batch = gather_global_batch(v, v_owner, s, s_owner, image_key)
+        terms = self.rank_terms(batch.v, batch.v_owner, batch.s, batch.s_owner, batch.image_key,
+                                batch.own_pairs)
+        out = self.combine(terms, sum_over_ranks(terms.label_counts))
+        return {key: value * self.world_size for key, value in out.items()}
+
+    def mean_over_ranks(self, out: dict[str, Tensor]) -> dict[str, float]:
+        """The values of `forward`'s `out` averaged over ranks, without gradient: the
+        objective's value, the same on every rank (for the log and the non-finite check)."""
+        values = torch.stack([out[key] for key in TERMS]).detach()
+        if self.world_size > 1:
+            values = sum_over_ranks(values) / self.world_size
+        return dict(zip(TERMS, values.tolist(), strict=True))
+
+    def rank_terms(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
+                   image_key: Tensor, own_pairs: Tensor | None = None) -> RankTerms:
+        """The terms of the pairs `own_pairs` (bool [B], default all) of a batch: their image
+        fragments against every sentence fragment, and every image against their sentences.
+        Over a partition of the pairs, the terms and their label counts sum to the batch's."""
         num_pairs = image_key.shape[0]
         if own_pairs is None:
             own_pairs = torch.ones(num_pairs, dtype=torch.bool, device=v.device)
@@ -126,47 +180,53 @@ class DeFragLoss(nn.Module):
         row_scores = rows_v @ s.T  # F for this rank's image fragments, all sentence fragments
         zero = row_scores.sum() * 0
 
-        fragment = zero
+        positive = negative = zero
+        label_counts = row_scores.new_zeros(2)
         if self.use_fragment:
-            fragment = self._fragment_alignment(row_scores, rows_owner, s_owner, image_key,
-                                                sum_over_ranks)
+            positive, negative, label_counts = self._fragment_hinges(row_scores, rows_owner,
+                                                                     s_owner, image_key)
         ranking = zero
         if self.use_global:
             ranking = self._global_ranking(row_scores, rows_owner, v, v_owner, s, s_owner,
                                            image_key, own_pairs)
-        return {"loss": fragment + self.beta * ranking, "fragment": fragment, "global": ranking}
+        return RankTerms(positive, negative, label_counts, ranking)
 
-    def _fragment_alignment(self, scores: Tensor, v_owner: Tensor, s_owner: Tensor,
-                            image_key: Tensor, sum_over_ranks: Callable | None) -> Tensor:
-        """C_F = sum_ij w_ij max(0, 1 - y_ij F_ij) over included fragment pairs (eq. 4, 5).
+    def combine(self, terms: RankTerms, label_counts: Tensor) -> dict[str, Tensor]:
+        """C_F from the hinge sums, with `balance` weighted by 1/|P| and 1/|N| of the batch's
+        `label_counts`, and C = C_F + beta * C_G (eq. 3)."""
+        if self.balance:
+            # An empty set contributes 0 (e.g. B = 1 has no negatives).
+            pos_weight, neg_weight = torch.where(label_counts > 0,
+                                                 1 / label_counts.clamp(min=1), 0)
+            fragment = pos_weight * terms.positive + neg_weight * terms.negative
+        else:
+            fragment = terms.positive + terms.negative
+        return {"loss": fragment + self.beta * terms.ranking, "fragment": fragment,
+                "global": terms.ranking}
+
+    def _fragment_hinges(self, scores: Tensor, v_owner: Tensor, s_owner: Tensor,
+                         image_key: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """C_F's hinges max(0, 1 - y_ij F_ij) summed over the positive and over the negative
+        fragment pairs (eq. 4, 5), and the two counts.
 
         Every entry of F between different images is a negative. The few same-image entries
         are handled as a list: those of different pairs are excluded, the same pair's get
-        their labels from `fragment_labels`.
+        their labels from `mil_labels`.
         """
         rows, cols = same_group_entries(image_key[v_owner], image_key[s_owner])
         same_image = scores[rows, cols]
         same_pair = v_owner[rows] == s_owner[cols]
         pair = same_image[same_pair]
         with torch.no_grad():
-            positive = fragment_labels(pair, rows[same_pair], cols[same_pair], scores.shape[1],
-                                       self.mil)
+            positive = mil_labels(pair, rows[same_pair], cols[same_pair], scores.shape[1],
+                                  self.mil)
+            other_count = scores.numel() - len(rows)
+            counts = torch.stack([positive.sum(), other_count + (~positive).sum()])
         # Over the other-image entries, sum max(0, 1 + F) = sum over all - over same-image ones.
         other_image = (scores.clamp(min=-1).sum() + scores.numel()
                        - (same_image.clamp(min=-1) + 1).sum())
         negative = other_image + torch.relu(1 + pair[~positive]).sum()
-        positive_hinge = torch.relu(1 - pair[positive]).sum()
-        if not self.balance:
-            return positive_hinge + negative
-        with torch.no_grad():
-            other_count = scores.numel() - len(rows)
-            counts = torch.stack([positive.sum(), other_count + (~positive).sum()])
-            counts = counts.to(scores.dtype)
-            if sum_over_ranks is not None:
-                counts = sum_over_ranks(counts)
-            # An empty set contributes 0 (e.g. B = 1 has no negatives).
-            pos_weight, neg_weight = torch.where(counts > 0, 1 / counts.clamp(min=1), 0)
-        return pos_weight * positive_hinge + neg_weight * negative
+        return torch.relu(1 - pair[positive]).sum(), negative, counts.to(scores.dtype)
 
     def _global_ranking(self, row_scores: Tensor, rows_owner: Tensor, v: Tensor,
                         v_owner: Tensor, s: Tensor, s_owner: Tensor, image_key: Tensor,
@@ -189,3 +249,62 @@ class DeFragLoss(nn.Module):
         if self.hardest_negative:  # hinges are >= 0, so a pair without negatives adds 0
             return (rank_sentences.amax(1) + rank_images.amax(1)).sum() / num_pairs
         return (rank_sentences + rank_images).sum() / num_pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# The global batch: every rank's fragments, gathered with autograd. The gather's backward sums
+# the gradients of every rank's loss into the rows of the rank that owns them.
+
+
+@dataclass
+class GlobalBatch:
+    """The fragments of every rank's pairs, with pair indices renumbered globally."""
+
+    v: Tensor
+    v_owner: Tensor
+    s: Tensor
+    s_owner: Tensor
+    image_key: Tensor
+    own_pairs: Tensor  # bool [B_global]: the pairs of this rank
+
+
+def gather_global_batch(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
+                        image_key: Tensor, group: dist.ProcessGroup | None = None) -> GlobalBatch:
+    """All-gather a rank's local batch (pair indices 0..B_local-1) into the global batch."""
+    counts = torch.tensor([len(image_key), len(v), len(s)], device=v.device)
+    everyone = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, counts, group=group)
+    pairs, v_sizes, s_sizes = torch.stack(everyone).T.tolist()
+    rank = dist.get_rank(group)
+    offset = sum(pairs[:rank])
+    own_pairs = torch.zeros(sum(pairs), dtype=torch.bool, device=v.device)
+    own_pairs[offset:offset + len(image_key)] = True
+    return GlobalBatch(
+        v=all_gather_rows(v, v_sizes, group),
+        v_owner=all_gather_rows(v_owner + offset, v_sizes, group),
+        s=all_gather_rows(s, s_sizes, group),
+        s_owner=all_gather_rows(s_owner + offset, s_sizes, group),
+        image_key=all_gather_rows(image_key, pairs, group),
+        own_pairs=own_pairs,
+    )
+
+
+def all_gather_rows(x: Tensor, sizes: list[int], group: dist.ProcessGroup | None = None) -> Tensor:
+    """Concatenate the rows of `x` from every rank (rank r holds sizes[r] rows), differentiably.
+
+    Row counts differ per rank: pad to the largest, gather, then drop the padding.
+    """
+    group = group or dist.group.WORLD
+    longest = max(sizes)
+    padded = torch.cat([x, x.new_zeros(longest - len(x), *x.shape[1:])])
+    gathered = funcol.all_gather_single(padded.contiguous(), 0, group)
+    lengths = torch.tensor(sizes, device=x.device)
+    keep = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]
+    return gathered[keep.flatten()]
+
+
+def sum_over_ranks(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """All-reduce (sum) a copy of `x`, without gradient: label counts, logged values."""
+    total = x.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total

@@ -2,7 +2,8 @@
 
 `best_boxes` aligns every sentence fragment with its highest-scoring image fragment (the inner
 product v_i . s_j of the paper); `render_alignment` draws the image with its boxes and, beside it,
-the sentences and each fragment with its box's colour tag and score. Plain PIL, default font.
+the sentences and each fragment with its box's colour tag and score; `alignment_figure` does both
+for one image and sentence (the trainer's val picture, retrieval's --explain). Plain PIL.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def fragment_labels(fragments: torch.Tensor, vocab: Vocabulary, mode: str) -> li
     words = vocab.words
     return [f"{vocab.relations[r] if mode == 'triplet' else mode}({words[a]}, {words[b]})"
             for r, a, b in fragments.tolist()]
+
+
+def alignment_figure(image: Image.Image, boxes: torch.Tensor, sentence: str, v: torch.Tensor,
+                     s: torch.Tensor, fragments: torch.Tensor, vocab: Vocabulary,
+                     mode: str) -> tuple[Image.Image, list[tuple[str, int, float]]]:
+    """Figure 4 for one image and one sentence: each fragment (ids `fragments` [Ns, 3], embedded
+    `s`) linked to its best box (xyxy pixels `boxes` [Nv, 4], embedded `v`). Returns the
+    picture and each fragment's (label, box, score); the trainer and `trainer.explain` draw it."""
+    box, score = best_boxes(v, s)
+    labels = fragment_labels(fragments, vocab, mode)
+    picture = render_alignment(image, boxes.tolist(), [sentence], labels, box.tolist(),
+                               score.tolist())
+    return picture, list(zip(labels, box.tolist(), score.tolist(), strict=True))
 
 
 def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],

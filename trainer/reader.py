@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from trainer.batch import PLACEHOLDER_PIXELS, CaptionedImage
+from trainer.batch import CaptionedImage
 from trainer.config import Config, DataConfig
 from trainer.shardset import Shard, ShardError, damaged_shard, describe_error, open_url
 from trainer.vocab import Vocabulary
@@ -173,7 +173,7 @@ class SampleDecoder:
         if width < 1 or height < 1:
             raise BadSample(f"metadata gives the image size {width} x {height}")
         scale = np.array([self.image_size / width, self.image_size / height] * 2, np.float32)
-        return CaptionedImage(image_id, image_key(image_id), PLACEHOLDER_PIXELS,
+        return CaptionedImage(image_id, image_key(image_id), None,
                               np.clip(boxes * scale, 0, self.image_size), captions, fragments,
                               (width, height))
 
@@ -283,7 +283,7 @@ def image_chunks(shards: list[Shard], order: Iterable[int], decoder: SampleDecod
                  options: ReadOptions, skip_pixels: Container[str] = (),
                  verified: Container[str] = ()) -> Iterator[Chunk]:
     """The usable images of shards[i] for i in `order`, up to CHUNK_IMAGES at a time: each
-    image's metadata (pixels: the placeholder) and its pixels (None for an id in `skip_pixels`,
+    image's metadata (pixels None) and its pixels (None for an id in `skip_pixels`,
     whose features are cached), with the notes gathered since the previous chunk. A thread reads
     and describes the samples (`read_ahead`) while this one decodes them."""
     for described, notes in read_ahead(_described_chunks(shards, order, decoder, options,
@@ -379,6 +379,6 @@ def read_images(shards: list[Shard], decoder: SampleDecoder,
 
 def with_pixels(images: list[CaptionedImage],
                 pixels: list[np.ndarray | None]) -> list[CaptionedImage]:
-    """A chunk's images with their pixels in place (the placeholder where None)."""
+    """A chunk's images with their pixels in place (None: not decoded)."""
     return [image if rows is None else dataclasses.replace(image, pixels=rows)
             for image, rows in zip(images, pixels, strict=True)]

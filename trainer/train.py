@@ -4,7 +4,7 @@
         phase 1 (the first `frozen_cnn_epochs`): objective C_0 (no MIL), CNN fixed
         phase 2: objective C_F (MIL) and the CNN finetuned end to end
         lr x anneal_factor for the last `anneal_last_epochs` epochs
-        for each batch: embed fragments, gather them over ranks, C_F + beta C_G, SGD step
+        for each batch: embed fragments, C_F + beta C_G over the global batch, SGD step
         validate (retrieval on the val split), keep the best model by val rsum, checkpoint
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -23,14 +24,14 @@ from tqdm import tqdm
 from trainer.batch import Batch, batches_on_device, unit_float
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
-from trainer.distributed import DistContext, gather_global_batch, sum_over_ranks
+from trainer.distributed import DistContext
 from trainer.engine import build_engine
 from trainer.eval_set import load_eval_set
 from trainer.evaluate import evaluate_model
 from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
-from trainer.pictures import best_boxes, fragment_labels, render_alignment
+from trainer.pictures import alignment_figure
 from trainer.preemption import acknowledge, stop_requested
 from trainer.registry import save_model_folder, training_featurizer
 from trainer.tracking import Tracker
@@ -73,8 +74,8 @@ def describe_plan(plan: dict[str, int | bool | float], cfg: Config) -> str:
 
 def image_fragments_per_pair(v_box: torch.Tensor, batch: Batch) -> tuple[torch.Tensor,
                                                                         torch.Tensor]:
-    """Each pair owns the box embeddings of its image: (v [Nv, d], v_owner [Nv])."""
-    pairs, boxes = same_group_entries(batch.pair_image, batch.box_image)
+    """Each pair owns the box embeddings of its image: the loss's (v [Nv, d], v_owner [Nv])."""
+    pairs, boxes = same_group_entries(batch.sentence_image, batch.box_image)
     return v_box[boxes], pairs
 
 
@@ -86,18 +87,14 @@ class Trainer:
         self.cfg, self.ctx, self.model, self.vocab = cfg, ctx, model, vocab
         self.tracker, self.state = tracker, state
         self.run_dir = Path(cfg.run.run_dir)
-        self.per_rank_batch = cfg.optim.batch_size // ctx.world_size
-        if self.per_rank_batch < 1:
-            raise ValueError(f"optim.batch_size {cfg.optim.batch_size} is smaller than the "
-                             f"{ctx.world_size} ranks; it is the GLOBAL batch size")
-        self.loss_fn = DeFragLoss(cfg.objective.beta, cfg.objective.margin, cfg.objective.smooth,
-                                  cfg.objective.mil, cfg.objective.balance,
-                                  cfg.objective.use_fragment, cfg.objective.use_global,
-                                  cfg.objective.hardest_negative)
+        objective = cfg.objective
+        self.loss_fn = DeFragLoss(objective.beta, objective.margin, objective.smooth,
+                                  objective.mil, objective.balance, objective.use_fragment,
+                                  objective.use_global, objective.hardest_negative,
+                                  ctx.world_size, cfg.run.global_negatives)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
-        self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
-                                                    batch_size=self.per_rank_batch)
+        self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size)
         self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
         self.featurizer = training_featurizer(cfg) if ctx.is_main else None  # read once
         self.engine = None
@@ -105,9 +102,10 @@ class Trainer:
         self.nonfinite_streak = 0  # non-finite losses in a row
         self.plan: dict[str, int | bool | float] | None = None  # the current epoch's
 
-    def prepare_engine(self, epoch: int) -> None:
-        """Set up this epoch's plan: the engine built (or rebuilt at the phase switch), MIL on or
-        off; one log line when the plan changes (and for the first epoch this process runs)."""
+    def start_epoch(self, epoch: int) -> None:
+        """Set up this epoch's plan: the engine built (or rebuilt at the phase switch), the
+        objective's MIL on or off; one log line when the plan changes (and for the first epoch
+        this process runs)."""
         plan = epoch_plan(epoch, self.cfg)
         if plan != self.plan and self.ctx.is_main:
             log.info("epoch %d: %s", epoch, describe_plan(plan, self.cfg))
@@ -120,7 +118,7 @@ class Trainer:
 
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint: the weights, and the optimizer unless the phase changed."""
-        self.prepare_engine(self.state.epoch)
+        self.start_epoch(self.state.epoch)
         same_phase = self.engine_finetunes == self.state.finetunes_cnn
         self.engine.load(folder, with_optimizer=same_phase)
         log.info("resumed from %s (epoch %d, step %d)", folder, self.state.epoch,
@@ -128,7 +126,7 @@ class Trainer:
 
     def fit(self) -> TrainState:
         for epoch in range(self.state.epoch, self.cfg.optim.epochs):
-            self.prepare_engine(epoch)
+            self.start_epoch(epoch)
             self.state.epoch = epoch
             started = time.perf_counter()
             self.train_epoch(epoch)
@@ -173,41 +171,30 @@ class Trainer:
         return frozenset(self.cache.features)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
-        """One SGD step on the global batch; returns the global loss terms."""
+        """One SGD step on the global batch (forward, loss, backward, step); returns the global
+        loss terms."""
         features = None
         if self.cache is not None and not finetunes_cnn(epoch, self.cfg):
             features = self.cache.lookup(self.model, batch.images, batch.boxes, batch.box_image,
-                                         batch.image_ids)
+                                         batch.image_ids, batch.decoded)
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
             v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, batch.fragments,
-                                   batch.fragment_pair, features=features)
+                                   batch.fragment_sentence, features=features)
         v, v_owner = image_fragments_per_pair(v_box.float(), batch)
-        s, s_owner = s.float(), batch.fragment_pair
-        world = self.ctx.world_size
-        if self.cfg.run.global_negatives and world > 1:
-            g = gather_global_batch(v, v_owner, s, s_owner, batch.image_key)
-            out = self.loss_fn(g.v, g.v_owner, g.s, g.s_owner, g.image_key,
-                               own_pairs=g.own_pairs, sum_over_ranks=sum_over_ranks)
-            # Rank losses sum to the global loss; the engines average gradients over ranks.
-            scale, to_global = float(world), 1.0
-        else:
-            out = self.loss_fn(v, v_owner, s, s_owner, batch.image_key)
-            scale, to_global = 1.0, 1.0 / world
-        values = torch.stack([out["loss"], out["fragment"], out["global"]]).detach()
-        if world > 1:
-            values = sum_over_ranks(values) * to_global
-        if not bool(torch.isfinite(values).all()):
-            return self.nonfinite_loss(values)
+        out = self.loss_fn(v, v_owner, s.float(), batch.fragment_sentence, batch.image_key)
+        losses = self.loss_fn.mean_over_ranks(out)
+        if not all(map(math.isfinite, losses.values())):
+            return self.nonfinite_loss(losses)
         self.nonfinite_streak = 0
-        self.engine.backward(out["loss"] * scale)
+        self.engine.backward(out["loss"])
         self.engine.step()
-        return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
+        return losses
 
-    def nonfinite_loss(self, values: torch.Tensor) -> dict[str, float]:
+    def nonfinite_loss(self, losses: dict[str, float]) -> dict[str, float]:
         """A NaN / inf loss: every rank sees the same all-reduced value and acts alike. Skipped
         steps in a row mean the weights themselves are no longer finite: the run stops."""
-        message = (f"non-finite loss {values.tolist()} at step {self.state.global_step} "
+        message = (f"non-finite loss {list(losses.values())} at step {self.state.global_step} "
                    f"(epoch {self.state.epoch}); the last checkpoint is untouched")
         self.nonfinite_streak += 1
         if self.cfg.run.nonfinite_loss == "stop":
@@ -219,30 +206,34 @@ class Trainer:
                 f"it), lower optim.lr or set optim.grad_clip, then resume from the checkpoint")
         log.warning("%s; skipping the step (run.nonfinite_loss=skip)", message)
         self.engine.skip_step()
-        return dict(zip(("loss", "fragment", "global"), values.tolist(), strict=True))
+        return losses
 
     def end_epoch(self, epoch: int, train_seconds: float) -> None:
-        """Validate on rank 0, keep the best model by val rsum, checkpoint (all ranks).
-
-        Rank 0 appends the epoch's plan (phase, MIL, CNN finetuned, lr), timings and val metrics
-        to `<run_dir>/history.jsonl`."""
+        """Validate, note a new best val rsum in the state, record the epoch (rank 0), then
+        checkpoint (all ranks)."""
         started = time.perf_counter()
         metrics = self.validate(epoch)
-        if self.ctx.is_main:
-            times = {"train_s": round(train_seconds, 1),
-                     "val_s": round(time.perf_counter() - started, 1)}
-            self.tracker.log_metrics({f"time/{k}": v for k, v in times.items()},
-                                     step=self.state.global_step)
-            with (self.run_dir / "history.jsonl").open("a") as history:
-                history.write(json.dumps({"epoch": epoch, **self.plan,
-                                          **times, **metrics}) + "\n")
+        times = {"train_s": round(train_seconds, 1),
+                 "val_s": round(time.perf_counter() - started, 1)}
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
-        if metrics["rsum"] > self.state.best_rsum:
+        best = metrics["rsum"] > self.state.best_rsum
+        if best:
             self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
-            if self.ctx.is_main:
-                save_model_folder(self.run_dir / "best", self.model, self.cfg, self.vocab,
-                                  {**metrics, "epoch": epoch}, self.featurizer)
+        if self.ctx.is_main:
+            self.record_epoch(epoch, times, metrics, best)
         self.checkpoint()
+
+    def record_epoch(self, epoch: int, times: dict[str, float], metrics: dict[str, float],
+                     best: bool) -> None:
+        """Rank 0's record of an epoch: its timings as metrics, a `history.jsonl` line (plan,
+        timings, val metrics), and the model folder `best/` when val rsum is the best so far."""
+        self.tracker.log_metrics({f"time/{k}": v for k, v in times.items()},
+                                 step=self.state.global_step)
+        with (self.run_dir / "history.jsonl").open("a") as history:
+            history.write(json.dumps({"epoch": epoch, **self.plan, **times, **metrics}) + "\n")
+        if best:
+            save_model_folder(self.run_dir / "best", self.model, self.cfg, self.vocab,
+                              {**metrics, "epoch": epoch}, self.featurizer)
 
     def validate(self, epoch: int) -> dict[str, float]:
         """Retrieval metrics of the val split: every rank embeds its share of the val shards,
@@ -298,14 +289,12 @@ class Trainer:
         self.model.eval()
         v = self.model.image(image, boxes.to(device), torch.zeros(len(boxes), dtype=torch.long,
                                                                    device=device))
-        sentence_fragments = self.model.sentence(fragments.to(device),
-                                                 torch.zeros(len(fragments), dtype=torch.long,
-                                                             device=device))
-        box, score = best_boxes(v, sentence_fragments)
+        s = self.model.sentence(fragments.to(device),
+                                torch.zeros(len(fragments), dtype=torch.long, device=device))
         self.model.train(was_training)
-        labels = fragment_labels(fragments, self.vocab, self.cfg.model.fragment_mode)
-        return render_alignment(Image.fromarray(first.pixels), boxes.tolist(), [first.captions[0]],
-                                labels, box.tolist(), score.tolist())
+        picture, _ = alignment_figure(Image.fromarray(first.pixels), boxes, first.captions[0], v,
+                                      s, fragments, self.vocab, self.cfg.model.fragment_mode)
+        return picture
 
     def checkpoint(self) -> None:
         if self.cache is not None:

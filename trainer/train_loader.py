@@ -1,4 +1,4 @@
-"""This rank's training batches, streamed from its own shards (DESIGN.md sections 4 and 6).
+"""This rank's training batches, streamed from its own shards (docs/design.md sections 7 and 8).
 
 Each rank, and each of its `data.workers` loader processes, reads only its own shards, once per
 pass, front to back (trainer/reader.py); nothing is read when the loader is made, so start-up
@@ -64,9 +64,8 @@ class TrainLoader:
                  epoch: int = 0) -> None:
         data = cfg.data
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
-        if batch_size is None:
-            batch_size = cfg.optim.batch_size // self.world_size
-        self.batch_size = batch_size
+        self.batch_size = (cfg.optim.per_rank_batch(self.world_size) if batch_size is None
+                           else batch_size)
         if self.batch_size < 1 or data.workers < 0 or data.shuffle_buffer < 0:
             raise ValueError(f"need batch_size >= 1 (got {self.batch_size}), data.workers >= 0 "
                              f"(got {data.workers}) and data.shuffle_buffer >= 0 "
@@ -183,7 +182,7 @@ def make_train_loader(cfg: Config, vocab: Vocabulary, rank: int | None = None,
                       batch_size: int | None = None) -> tuple[TrainLoader, int]:
     """The loader of epoch `epoch` on this rank and its steps per epoch (the same on every rank).
 
-    `batch_size` is pairs per rank (default optim.batch_size // world_size); `rank` and
+    `batch_size` is pairs per rank (default `cfg.optim.per_rank_batch`); `rank` and
     `world_size` default to the process group's (see `rank_and_world_size`).
     """
     loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch)
