@@ -57,6 +57,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
+from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
@@ -70,7 +71,6 @@ from trainer.reader import (
 )
 from trainer.shardset import SplitShards, load_vocabulary, locate_split
 from trainer.train_loader import TrainLoader
-from trainer.vocab import Vocabulary
 
 TARGET = 0.9
 PLAIN_IMAGES = 500  # images of each plain decoding pass around a loader measurement

@@ -7,13 +7,13 @@ region boxes), `shards` (one shard written atomically), `vocabulary` (dictionary
 table rules), `pipeline` (the parallel, resumable run and its manifest), `synthetic` (a generated
 demo dataset), `__main__` (the CLI).
 
-Output layout (format version `shards.FORMAT_VERSION`):
+Output layout (format version `defrag.shard_format.FORMAT_VERSION`):
 
     OUT/manifest.json            counts per split, shard list (samples, captions, bytes, sha256),
                                  parser, box source, vocabulary summary and relation table, the
                                  training split's counts of every relation type, every skipped
                                  input (file, line, item, reason, detail) and the command
-    OUT/vocab.json               trainer.vocab.Vocabulary.save: words and kept relation types
+    OUT/vocab.json               defrag.vocab.Vocabulary.save: words and kept relation types
     OUT/<split>/shard-000000.tar one WebDataset sample per image, samples sorted by image id
     OUT/<split>/shard-000000.json its sidecar: counts, sha256, input fingerprint (resumption)
 

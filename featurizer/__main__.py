@@ -20,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from defrag.cli import add_debug_flag, one_line_errors
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import (
     FLICKR8K_IMAGES,
@@ -33,7 +34,6 @@ from featurizer.sources import (
 )
 from featurizer.synthetic import DEFAULT_NUM_TRAIN, DEFAULT_NUM_VAL, generate
 from featurizer.wordvecs import learn_word_vectors
-from trainer.cli import add_debug_flag, one_line_errors
 
 
 def _pair(text: str) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from PIL import Image
 from torchvision.ops import box_iou, clip_boxes_to_image, nms, roi_align
 from torchvision.transforms.functional import pil_to_tensor
 
-from trainer.backbones import build_backbone, load_state_dict
+from defrag.backbones import build_backbone, load_state_dict
 
 # A candidate this close to the whole image repeats row 0 and is dropped.
 FULL_FRAME_IOU = 0.95

@@ -22,11 +22,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB
+from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
 from featurizer.parsing import Parser, make_parser
 from featurizer.records import ImageRecord, Problem
 from featurizer.shards import (
-    FORMAT_VERSION,
     TMP_MARK,
     ShardSpec,
     clear_leftovers,
@@ -36,11 +37,9 @@ from featurizer.shards import (
     write_shard,
 )
 from featurizer.sources import Source
-from featurizer.vocabulary import VOCAB_FILE, build_vocabulary, coverage, reused_vocabulary
-from trainer.vocab import Vocabulary
+from featurizer.vocabulary import build_vocabulary, coverage, reused_vocabulary
 
 log = logging.getLogger(__name__)
-MANIFEST_FILE = "manifest.json"
 PROBLEMS_LOGGED = 20  # skipped inputs printed one by one; all of them go to the manifest
 
 
@@ -95,12 +94,12 @@ def featurize(source: Source, settings: Settings) -> dict:
         min_fraction=settings.relation_min_fraction, min_count=settings.min_word_count,
         word_vectors=settings.word_vectors)
     settings.out.mkdir(parents=True, exist_ok=True)
-    vocab_tmp = settings.out / f"{VOCAB_FILE}{TMP_MARK}{os.getpid()}"
+    vocab_tmp = settings.out / f"{VOCAB}{TMP_MARK}{os.getpid()}"
     vocab.save(vocab_tmp)
-    os.replace(vocab_tmp, settings.out / VOCAB_FILE)
+    os.replace(vocab_tmp, settings.out / VOCAB)
     manifest = _manifest(settings, parser, box_source, vocab, reused is not None,
                          by_split_sidecars, train_counts, problems + shard_problems)
-    write_json_atomically(settings.out / MANIFEST_FILE, manifest)
+    write_json_atomically(settings.out / MANIFEST, manifest)
     return manifest
 
 
@@ -161,7 +160,7 @@ def _log_problems(problems: list[Problem], when: str) -> None:
         log.warning("skipped: %s", problem)
     if len(problems) > PROBLEMS_LOGGED:
         log.warning("... and %d more skipped %s (all listed in %s)",
-                    len(problems) - PROBLEMS_LOGGED, when, MANIFEST_FILE)
+                    len(problems) - PROBLEMS_LOGGED, when, MANIFEST)
 
 
 def _write_shards(todo: list[ShardSpec], settings: Settings, parser: Parser,
@@ -253,7 +252,7 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
         "parser": parser.describe(),
         "box_source": box_source.describe(),
         "vocabulary": {
-            "file": VOCAB_FILE, "words": len(vocab.words), "relations": vocab.relations,
+            "file": VOCAB, "words": len(vocab.words), "relations": vocab.relations,
             "source": (f"reused from {settings.vocab}" if reused
                        else f"built from split {settings.train_split!r}"),
             "word_vectors": str(settings.word_vectors) if settings.word_vectors else None,

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import webdataset as wds
 
+from defrag.shard_format import FORMAT_VERSION
 from featurizer.images import BadImage, LoadedImage, load_image
 from featurizer.parsing import ParsedCaption, Parser
 from featurizer.records import NO_WORDS, Caption, ImageRecord, Problem, no_captions
 
-# 1: captions with "tokens" and "triplets". 2: also "tree" (heads, relations, POS tags). A
-# sidecar of another format never counts as finished (its format is also in the fingerprint), so
-# a re-run over an older output folder rewrites every shard.
-FORMAT_VERSION = 2
+# A sidecar of another FORMAT_VERSION never counts as finished (the format is also in the
+# fingerprint), so a re-run over an older output folder rewrites every shard.
 TMP_MARK = ".tmp-"
 
 

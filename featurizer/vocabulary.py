@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.shardset import join_url, read_url
-from trainer.vocab import Vocabulary
-
-VOCAB_FILE = "vocab.json"
+from defrag.shard_format import VOCAB
+from defrag.urls import join_url, read_url
+from defrag.vocab import Vocabulary
 
 
 def kept_relations(counts: Mapping[str, int], min_fraction: float) -> list[str]:
@@ -70,7 +69,7 @@ def build_vocabulary(relation_counts: Mapping[str, int], word_counts: Mapping[st
 def vocabulary_file(path: Path) -> Path:
     """`path` itself, or the vocab.json inside a featurized dataset or model folder."""
     path = Path(path)
-    file = path / VOCAB_FILE if path.is_dir() else path
+    file = path / VOCAB if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no vocabulary at {file} (give a vocab.json or a folder holding "
                                 f"one: a featurized dataset or a registered model)")
@@ -82,7 +81,7 @@ def reused_vocabulary(location: str | Path) -> Vocabulary:
     model), on disk or at an http(s) URL."""
     location = str(location)
     if location.startswith(("http://", "https://")):
-        url = location if location.endswith(".json") else join_url(location, VOCAB_FILE)
+        url = location if location.endswith(".json") else join_url(location, VOCAB)
         return Vocabulary.from_json(read_url(url), url)
     return Vocabulary.load(vocabulary_file(Path(location)))
 

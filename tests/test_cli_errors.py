@@ -1,5 +1,5 @@
 """Bad input to any command line: one line naming the key, file or server at fault, a non-zero
-exit status, and nothing started (trainer/config.py's schema, trainer/cli.py)."""
+exit status, and nothing started (trainer/config.py's schema, defrag/cli.py)."""
 
 from __future__ import annotations
 

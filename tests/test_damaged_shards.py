@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from defrag.urls import ShardError
+from defrag.vocab import Vocabulary
 from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import tiny_config, torchrun
 from trainer.eval_set import IncompleteSplit, load_eval_set
@@ -37,9 +39,7 @@ from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
 from trainer.reader import DataProblem
 from trainer.registry import save_model_folder
-from trainer.shardset import ShardError
 from trainer.train_loader import TrainLoader
-from trainer.vocab import Vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SHARD = "train/shard-000003.tar"  # images_train_00015 .. 00019

@@ -18,15 +18,16 @@ import torch.multiprocessing as mp
 import webdataset as wds
 from PIL import Image
 
+from defrag.urls import ShardError
+from defrag.vocab import Vocabulary
 from trainer.batch import Batch, batches_on_device
 from trainer.config import Config
 from trainer.distributed import end_process
 from trainer.eval_set import load_eval_set
 from trainer.evaluate import retrieval_metrics, score_matrix
 from trainer.reader import image_key
-from trainer.shardset import ShardError, locate_split
+from trainer.shardset import locate_split
 from trainer.train_loader import TrainLoader, make_train_loader
-from trainer.vocab import Vocabulary
 
 SIZE = 64  # model.image_size in these tests; the synthetic images are 128 x 128
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from defrag.vocab import Vocabulary
 from trainer.batch import collate
 from trainer.checkpoint import TrainState
 from trainer.config import Config
@@ -24,7 +25,6 @@ from trainer.reader import SampleDecoder, read_images
 from trainer.shardset import locate_split
 from trainer.tracking import Tracker
 from trainer.train import Trainer
-from trainer.vocab import Vocabulary
 
 # (image, caption) of the global batch; images 0 and 2 have captions on different ranks.
 PAIRS = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 3), (3, 1), (1, 2)]

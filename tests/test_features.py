@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from defrag.vocab import Vocabulary
 from trainer.config import Config
 from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
-from trainer.vocab import Vocabulary
 
 
 def tiny_model() -> DeFragModel:

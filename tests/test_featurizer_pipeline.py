@@ -10,11 +10,11 @@ from PIL import Image
 
 import featurizer.pipeline as pipeline
 import featurizer.shards as shards_module
+from defrag.vocab import Vocabulary
 from featurizer.__main__ import main
 from featurizer.parsing import ParsedCaption, ParserUnavailable
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
-from trainer.vocab import Vocabulary
 
 CAPTIONS = ["A black dog runs in the grass .", "Two girls play on the beach .",
             "A man in a red shirt rides a bike .", "A brown dog jumps over a fence ."]

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from defrag.vocab import Vocabulary
 from featurizer.vocabulary import (
     build_vocabulary,
     coverage,
@@ -12,7 +13,6 @@ from featurizer.vocabulary import (
     words_from_counts,
     words_from_vectors,
 )
-from trainer.vocab import Vocabulary
 
 
 def test_relations_need_one_percent_of_training_triplets() -> None:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from defrag.urls import ShardError
+from defrag.vocab import Vocabulary
 from trainer.config import Config
 from trainer.loader_processes import Chunk, run_in_processes
-from trainer.shardset import ShardError
 from trainer.train_loader import TrainLoader
-from trainer.vocab import Vocabulary
 
 SHAPE = (5, 4, 3)
 CHUNKS = {0: 5, 1: 2, 2: 0}  # chunks each of 3 processes generates: they finish apart

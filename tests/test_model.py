@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.backbones import build_backbone
+from defrag.backbones import build_backbone
+from defrag.vocab import Vocabulary
 from trainer.config import ModelConfig
 from trainer.model import DeFragModel, ImageEncoder, SentenceEncoder
-from trainer.vocab import Vocabulary
 from trainer.wordvecs import embedding_matrix, load_word_vectors
 
 # ---------------------------------------------------------------- sentence fragments (eq. 1)

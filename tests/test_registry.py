@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from defrag.vocab import Vocabulary
 from trainer.config import Config, ModelConfig
 from trainer.model import DeFragModel
 from trainer.registry import (
@@ -28,12 +29,12 @@ from trainer.registry import (
     download_model,
     load_model_folder,
     main,
+    register_from_run,
     register_model,
     save_model_folder,
     verify_model_folder,
 )
 from trainer.tracking import Tracker
-from trainer.vocab import Vocabulary
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB_WORDS = Vocabulary(words=["a", "brown", "dog", "runs", "grass"], relations=["nsubj", "amod"])
@@ -180,10 +181,10 @@ def store(tmp_path_factory: pytest.TempPathFactory,
     env.delenv("MLFLOW_TRACKING_URI", raising=False)
     tracker = Tracker.start(saved[2], root / "run", rank=0)
     env.undo()
-    assert tracker.register_model(saved[0]) == "1"
+    assert register_from_run(tracker, saved[0]) == "1"
     second, config = tiny_model(seed=3)
     folder = save_model_folder(root / "second", second, config, VOCAB_WORDS, {"rsum": 50.0})
-    assert tracker.register_model(folder, artifact_path="model-2") == "2"
+    assert register_from_run(tracker, folder, artifact_path="model-2") == "2"
     tracker.finish()
     return tracker, second
 

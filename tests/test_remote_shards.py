@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from defrag.urls import ShardError
+from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
@@ -34,9 +36,7 @@ from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import ROOT, final_weights, finish, tiny_config, torchrun
 from trainer.batch import Batch
 from trainer.eval_set import load_eval_set
-from trainer.shardset import ShardError
 from trainer.train_loader import TrainLoader
-from trainer.vocab import Vocabulary
 
 TRAIN = [f"/train/shard-{i:06d}.tar" for i in range(8)]  # the `shards` fixture's, as served
 VAL = [f"/val/shard-{i:06d}.tar" for i in range(2)]

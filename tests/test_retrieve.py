@@ -18,6 +18,7 @@ from PIL import Image
 
 import trainer.embedder as embedder
 import trainer.retrieve as retrieve
+from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source, rebuild_box_source
 from featurizer.parsing import make_parser
 from featurizer.pipeline import Settings, featurize
@@ -30,7 +31,6 @@ from trainer.evaluate import embed_eval_set, score_matrix
 from trainer.model import DeFragModel
 from trainer.pictures import best_boxes, fragment_labels
 from trainer.registry import load_model_folder, save_model_folder
-from trainer.vocab import Vocabulary
 
 NUM_VAL = 4
 

@@ -24,11 +24,17 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image
 
+from defrag.vocab import Vocabulary
 from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
 from trainer.distributed import DistContext
 from trainer.preemption import REQUEST, Preempted
-from trainer.registry import download_model, save_model_folder, verify_model_folder
+from trainer.registry import (
+    download_model,
+    register_from_run,
+    save_model_folder,
+    verify_model_folder,
+)
 from trainer.tracking import (
     HTTP_DEFAULTS,
     RegistrationFailed,
@@ -37,7 +43,6 @@ from trainer.tracking import (
     flatten,
     sync,
 )
-from trainer.vocab import Vocabulary
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -179,7 +184,7 @@ def test_other_ranks_do_nothing(tmp_path: Path) -> None:
     tracker.flush()
     tracker.log_artifact(tmp_path / "missing.txt")
     tracker.log_image(picture(), "x.png")
-    assert tracker.register_model(tmp_path / "missing") is None
+    assert register_from_run(tracker, tmp_path / "missing") is None
     tracker.finish()
     assert list(tmp_path.iterdir()) == []
 
@@ -337,7 +342,7 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [0]
     folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
                                Vocabulary(words=["dog"], relations=["nsubj"]))
-    version = tracker.register_model(folder)
+    version = register_from_run(tracker, folder)
     verify_model_folder(download_model(f"models:/defrag/{version}", tmp_path / "dl", uri))
     mlflow_server.stop()
 
@@ -385,7 +390,7 @@ def test_server_that_never_answers_costs_timeouts_not_a_hang(
             tracker.log_metrics({"loss": 1.0 - step / 100}, step=step)
         tracker.log_image(picture(), "alignments/epoch-000.png")
         with pytest.raises(RegistrationFailed, match="timed out"):
-            tracker.register_model(folder)
+            register_from_run(tracker, folder)
         tracker.finish()
         # one log_batch with HTTP_DEFAULTS' retries (~63 s), then two 5 s probes (PROBE);
         # without the pause and the probes: 5 calls of ~63 s

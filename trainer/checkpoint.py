@@ -27,8 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from trainer.files import write_atomically
-from trainer.registry import CHECKSUMS, verify_checksums, write_checksums
+from trainer.files import CHECKSUMS, verify_checksums, write_atomically, write_checksums
 
 TMP_PREFIX = "tmp-"
 log = logging.getLogger(__name__)

@@ -24,17 +24,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from defrag.vocab import Vocabulary
 from featurizer.boxes import BoxSource, rebuild_box_source
 from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
 from trainer.batch import CaptionedImage, owners, stack_pixels, unit_float
 from trainer.config import Config
+from trainer.files import CHECKSUMS
 from trainer.fragment_set import FragmentSet
 from trainer.model import DeFragModel
 from trainer.reader import BadSample, SampleDecoder
-from trainer.registry import CHECKSUMS, FEATURIZER, load_model_folder, training_featurizer
-from trainer.vocab import Vocabulary
+from trainer.registry import FEATURIZER, load_model_folder, training_featurizer
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from defrag.vocab import Vocabulary
 from trainer.batch import Batch, CaptionedImage, collate
 from trainer.config import Config
 from trainer.loader_processes import run_in_processes
@@ -29,7 +30,6 @@ from trainer.reader import (
 )
 from trainer.shardset import Shard, SplitShards, val_split
 from trainer.train_loader import rank_and_world_size
-from trainer.vocab import Vocabulary
 
 
 class IncompleteSplit(ValueError):

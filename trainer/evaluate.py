@@ -20,14 +20,15 @@ import torch.distributed as dist
 import webdataset as wds
 from tqdm import tqdm
 
-from trainer.cli import add_debug_flag, one_line_errors
+from defrag.cli import add_debug_flag, one_line_errors
+from defrag.shard_format import SHARD_NAME
 from trainer.config import Config
 from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
 from trainer.features import FeatureCache
 from trainer.model import DeFragModel
 from trainer.reader import DataProblem
 from trainer.registry import load_model_folder
-from trainer.shardset import SHARD_NAME, is_folder
+from trainer.shardset import is_folder
 
 RECALL_AT = (1, 5, 10)
 

@@ -1,9 +1,15 @@
-"""File helpers shared by checkpoints and the tracking spool."""
+"""Files written so that a kill never leaves a part (atomic writes) and folders whose every file is
+checked before use (checksums.json): checkpoints, model folders, the tracking spool."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+CHECKSUMS = "checksums.json"  # a folder's file list and fingerprints, written last
 
 
 def write_atomically(path: Path, data: bytes | str) -> None:
@@ -12,3 +18,57 @@ def write_atomically(path: Path, data: bytes | str) -> None:
     partial = path.with_name(f"{path.name}.partial")
     partial.write_bytes(data.encode() if isinstance(data, str) else data)
     os.replace(partial, path)
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    """The sha256 and size of a file."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
+
+
+def write_checksums(folder: Path, **fields: Any) -> None:
+    """Write `folder`'s checksums.json (last): `fields`, and the fingerprint of every file."""
+    files = {p.name: fingerprint(p) for p in sorted(folder.iterdir()) if p.name != CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps({**fields, "files": files}, indent=2))
+
+
+def verify_checksums(folder: Path, error: type[ValueError], what: str, advice: str = "",
+                     **fields: Any) -> dict[str, Any]:
+    """`folder`'s checksums.json once it has `fields`, every file it lists is intact, no other file
+    is there and no link leads out of the folder; else `error` naming the file (`what` the folder
+    should be), then `advice`."""
+    def refuse(problem: str) -> ValueError:
+        return error(f"{problem}; {advice}" if advice else problem)
+
+    inside = folder.resolve()
+    for path in sorted(folder.iterdir()):
+        if not path.resolve().is_relative_to(inside):
+            raise refuse(f"{path} is a link to {path.resolve()}, outside {folder}")
+    try:
+        manifest = json.loads((folder / CHECKSUMS).read_text())
+        listed = {name: {"sha256": entry["sha256"], "size": entry["size"]}
+                  for name, entry in manifest["files"].items()}
+    except FileNotFoundError as err:
+        raise error(f"{folder}: {CHECKSUMS} is missing; not a {what}, or an incomplete "
+                    "copy") from err
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise refuse(f"{folder / CHECKSUMS} is malformed ({err!r})") from err
+    for key, want in fields.items():
+        if manifest.get(key) != want:
+            raise refuse(f"{folder / CHECKSUMS}: {key} {manifest.get(key)!r}, this code reads "
+                         f"{key} {want!r}")
+    for name, expected in listed.items():
+        path = folder / name
+        if name != path.name or name == CHECKSUMS:
+            raise refuse(f"{folder / CHECKSUMS} lists an invalid entry {name!r}")
+        if not path.is_file():
+            raise refuse(f"{path} is missing (incomplete copy)")
+        if fingerprint(path) != expected:
+            raise refuse(f"{path} does not match its checksum (altered or truncated)")
+    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
+    if unlisted:
+        raise refuse(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
+    return manifest

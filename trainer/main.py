@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from defrag.cli import add_debug_flag, one_line_errors
 from trainer.checkpoint import (
     TrainState,
     clear_partial,
@@ -23,11 +24,11 @@ from trainer.checkpoint import (
     load_state,
     verify_checkpoint,
 )
-from trainer.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
 from trainer.preemption import Preempted
+from trainer.registry import register_from_run
 from trainer.shardset import load_vocabulary
 from trainer.tracking import RegistrationFailed, Tracker
 from trainer.train import Trainer
@@ -84,7 +85,7 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
         if ctx.is_main and state.best_epoch >= 0:
             name, alias = cfg.run.register_name, cfg.run.register_alias
             try:
-                version = tracker.register_model(run_dir / "best", name, alias)
+                version = register_from_run(tracker, run_dir / "best", name, alias)
             except RegistrationFailed as failed:  # the run still ends FINISHED
                 failed.summary = {**summary, "registered": None, "version": None,
                                   "registration_error": failed.error,

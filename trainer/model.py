@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from trainer.backbones import Backbone, build_backbone
+from defrag.backbones import Backbone, build_backbone
+from defrag.vocab import Vocabulary
 from trainer.config import ModelConfig
-from trainer.vocab import Vocabulary
 from trainer.wordvecs import embedding_matrix
 
 REGION_MODES = ("roi", "crop")

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 if TYPE_CHECKING:
-    from trainer.vocab import Vocabulary
+    from defrag.vocab import Vocabulary
 
 IMAGE_SIDE = 480  # the drawn image's longer side in pixels (Flickr images are ~500)
 PANEL_WIDTH = 460  # the text column beside the image

@@ -37,10 +37,11 @@ import numpy as np
 from PIL import Image
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from defrag.urls import ShardError, describe_error, open_url
+from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
 from trainer.config import Config, DataConfig
-from trainer.shardset import Shard, ShardError, damaged_shard, describe_error, open_url
-from trainer.vocab import Vocabulary
+from trainer.shardset import Shard, damaged_shard
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import re
+import shlex
 import shutil
 import tempfile
 import uuid
@@ -29,21 +29,21 @@ from mlflow import MlflowClient
 from mlflow.environment_variables import MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
 
-from trainer.cli import add_debug_flag, one_line_errors
+from defrag.cli import add_debug_flag, one_line_errors
 from trainer.config import Config, ModelConfig
-from trainer.tracking import connect
+from trainer.files import CHECKSUMS, verify_checksums, write_checksums
+from trainer.tracking import RegistrationFailed, Tracker, connect
 
 # torch and the model are imported inside the functions that save or build a model, so the
 # download and verify commands start in seconds.
 if TYPE_CHECKING:
     import torch
 
+    from defrag.vocab import Vocabulary
     from trainer.model import DeFragModel
-    from trainer.vocab import Vocabulary
 
 MODEL_FORMAT = 1
-WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS = (
-    "weights.safetensors", "config.json", "vocab.json", "metrics.json", "checksums.json")
+WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
 REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
 WORD_VECTORS = "sentence.word_vectors"  # W_e in the state dict: its width is the word_dim
@@ -100,7 +100,8 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
 def training_featurizer(config: Config) -> dict[str, Any] | None:
     """The parser and box source of the shards a model was trained on, from their manifest
     (None when the manifest is not on this machine)."""
-    from trainer.shardset import ShardError, training_manifest
+    from defrag.urls import ShardError
+    from trainer.shardset import training_manifest
 
     if config.data.shards is None:
         return None
@@ -109,60 +110,6 @@ def training_featurizer(config: Config) -> dict[str, Any] | None:
     except (ShardError, ValueError):
         return None
     return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
-
-
-def fingerprint(path: Path) -> dict[str, Any]:
-    """The sha256 and size of a file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
-
-
-def write_checksums(folder: Path, **fields: Any) -> None:
-    """Write `folder`'s checksums.json (last): `fields`, and the fingerprint of every file."""
-    files = {p.name: fingerprint(p) for p in sorted(folder.iterdir()) if p.name != CHECKSUMS}
-    (folder / CHECKSUMS).write_text(json.dumps({**fields, "files": files}, indent=2))
-
-
-def verify_checksums(folder: Path, error: type[ValueError], what: str, advice: str = "",
-                     **fields: Any) -> dict[str, Any]:
-    """`folder`'s checksums.json once it has `fields`, every file it lists is intact, no other file
-    is there and no link leads out of the folder; else `error` naming the file (`what` the folder
-    should be), then `advice`."""
-    def refuse(problem: str) -> ValueError:
-        return error(f"{problem}; {advice}" if advice else problem)
-
-    inside = folder.resolve()
-    for path in sorted(folder.iterdir()):
-        if not path.resolve().is_relative_to(inside):
-            raise refuse(f"{path} is a link to {path.resolve()}, outside {folder}")
-    try:
-        manifest = json.loads((folder / CHECKSUMS).read_text())
-        listed = {name: {"sha256": entry["sha256"], "size": entry["size"]}
-                  for name, entry in manifest["files"].items()}
-    except FileNotFoundError as err:
-        raise error(f"{folder}: {CHECKSUMS} is missing; not a {what}, or an incomplete "
-                    "copy") from err
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise refuse(f"{folder / CHECKSUMS} is malformed ({err!r})") from err
-    for key, want in fields.items():
-        if manifest.get(key) != want:
-            raise refuse(f"{folder / CHECKSUMS}: {key} {manifest.get(key)!r}, this code reads "
-                         f"{key} {want!r}")
-    for name, expected in listed.items():
-        path = folder / name
-        if name != path.name or name == CHECKSUMS:
-            raise refuse(f"{folder / CHECKSUMS} lists an invalid entry {name!r}")
-        if not path.is_file():
-            raise refuse(f"{path} is missing (incomplete copy)")
-        if fingerprint(path) != expected:
-            raise refuse(f"{path} does not match its checksum (altered or truncated)")
-    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
-    if unlisted:
-        raise refuse(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
-    return manifest
 
 
 def verify_model_folder(folder: str | Path) -> None:
@@ -204,8 +151,8 @@ def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabula
     """
     from safetensors.torch import load_file
 
+    from defrag.vocab import Vocabulary
     from trainer.model import DeFragModel
-    from trainer.vocab import Vocabulary
 
     folder = Path(folder)
     verify_model_folder(folder)
@@ -239,6 +186,24 @@ def _standalone(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig
 
 
 # ---------------------------------------------------------------- the registry
+
+
+def register_from_run(tracker: Tracker, folder: str | Path, name: str = "defrag",
+                      alias: str = "champion", artifact_path: str = "model") -> str | None:
+    """Register a model folder from the tracker's run: its version (None on a disabled tracker).
+    Raises RegistrationFailed, with the command that registers it later. A run that registers
+    several models (e.g. each new best) passes a distinct artifact_path."""
+    if not tracker.enabled:
+        return None
+    try:
+        tracker.check_store()
+        return register_model(tracker.client, tracker.run_id, folder, name, alias, artifact_path)
+    except Exception as err:
+        command = shlex.join([
+            "python", "-m", "trainer.registry", "register", str(Path(folder).resolve()),
+            "--run-id", tracker.run_id, "--tracking-uri", tracker.tracking_uri, "--name", name,
+            "--alias", alias, "--artifact-path", artifact_path])
+        raise RegistrationFailed(f"{type(err).__name__}: {err}", command) from err
 
 
 def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: str = "defrag",

@@ -28,8 +28,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from defrag.cli import add_debug_flag, one_line_errors
 from featurizer.pipeline import Settings
-from trainer.cli import add_debug_flag, one_line_errors
 from trainer.embedder import (
     DEFAULT_BOXES,
     RetrievalError,

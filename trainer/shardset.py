@@ -11,45 +11,33 @@
   shard when that is a plain path or http URL). Each listed URL must keep the featurizer's
   `<split>/shard-NNNNNN.tar` name, which ties it to its manifest entry (sample count, sha256).
 
-Every URL is opened by webdataset's `gopen` (local files, `pipe:` commands, its handlers), except
-`http(s)://`, which this module opens with curl itself (as webdataset does) so that a stalled or
-refused transfer ends after `timeout` seconds. Nothing here reads a shard's contents: listing a
-split costs the same for 1k or 100M samples.
+URLs are opened by `defrag.urls` (webdataset's `gopen`, curl with a timeout for http(s)).
+Nothing here reads a shard's contents: listing a split costs the same for 1k or 100M samples.
 """
 
 from __future__ import annotations
 
 import json
-import posixpath
-import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import webdataset as wds
-from webdataset.gopen import Pipe
 
-from featurizer.shards import FORMAT_VERSION
+from defrag.shard_format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    READABLE_FORMATS,
+    SHARD_NAME,
+    TREE_FORMAT,
+    VOCAB,
+)
+from defrag.urls import ShardError, is_remote, join_url, parent, read_url
+from defrag.vocab import Vocabulary
 from trainer.config import DataConfig
-from trainer.vocab import Vocabulary
 
-MANIFEST = "manifest.json"  # written by featurizer.pipeline beside the split folders
-VOCAB = "vocab.json"
-SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+\.tar)")  # "<split>/shard-NNNNNN.tar" in a URL
 NOT_SET = ("data.shards is not set: point it at the output folder of `python -m featurizer ...` "
            "(a path or an http(s) URL) or at a shard list")
-CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed mid-transfer",
-             22: "HTTP error status (e.g. 404 Not Found)", 28: "timed out",
-             52: "empty reply", 56: "connection reset"}
-# Shard formats this code reads (featurizer.shards.FORMAT_VERSION): 1 has each caption's tokens
-# and triplets, all the fragment encoder needs; 2 adds its dependency tree and POS tags.
-READABLE_FORMATS = (1, 2)  # FORMAT_VERSION among them (a test checks)
-TREE_FORMAT = 2  # the first format whose captions have a "tree"
-
-
-class ShardError(RuntimeError):
-    """A shard or a manifest that cannot be read: missing, unreachable or damaged."""
 
 
 def damaged_shard(url: str, detail: str) -> str:
@@ -57,66 +45,6 @@ def damaged_shard(url: str, detail: str) -> str:
     return (f"shard {url}: {detail}. It is damaged or incomplete: re-run the featurizer command "
             f"of its manifest (created_by) with the same --out, which rewrites shards that no "
             f"longer match their checksum, then copy it again wherever it is served from")
-
-
-# ---------------------------------------------------------------------------------------------
-# Opening URLs
-
-
-def is_remote(url: str) -> bool:
-    """Whether `url` is read over a network or a command rather than from a local file."""
-    return url.startswith(("http://", "https://", "pipe:")) or "://" in url.split(" ")[0]
-
-
-def open_url(url: str, timeout: float) -> IO[bytes]:
-    """A binary stream of `url`: a path, `pipe:CMD`, `http(s)://` or any other scheme
-    webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail."""
-    if url.startswith(("http://", "https://")):
-        seconds = str(max(1, round(timeout)))
-        command = ["curl", "--fail", "--silent", "--show-error", "--location",
-                   "--connect-timeout", seconds, "--speed-limit", "1", "--speed-time", seconds,
-                   url]
-        # 23 and 141: curl stopped because the reader closed the stream early (SIGPIPE)
-        return Pipe(command, mode="rb", bufsize=1 << 20, ignore_status=[23, 141],
-                    timeout=timeout)
-    return wds.gopen(url, "rb", bufsize=1 << 20)
-
-
-def describe_error(err: BaseException) -> str:
-    """An exception of a stream as one line, curl's exit codes in words."""
-    text = f"{type(err).__name__}: {err}"
-    match = re.search(r"\bexit (\d+)", text)
-    if match and "curl" in text and int(match.group(1)) in CURL_EXIT:
-        text = f"curl exit {match.group(1)}, {CURL_EXIT[int(match.group(1))]}"
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def read_url(url: str, timeout: float = 60.0, retries: int = 3) -> bytes:
-    """The whole content of a small file (manifest, vocabulary) at any URL, retried."""
-    if not is_remote(url):
-        try:
-            return Path(url).read_bytes()
-        except OSError as err:
-            raise ShardError(f"cannot read {url} ({err})") from err
-    for attempt in range(retries + 1):
-        try:
-            with open_url(url, timeout) as stream:
-                return stream.read()
-        except (OSError, ValueError) as err:
-            if attempt == retries:
-                raise ShardError(f"cannot read {url} after {retries + 1} attempts "
-                                 f"({describe_error(err)})") from err
-            time.sleep(min(2.0 ** attempt, 10.0))
-    raise AssertionError("unreachable")
-
-
-def join_url(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}"
-
-
-def parent(url: str) -> str:
-    """The folder of a path or URL ("." for a bare name)."""
-    return posixpath.dirname(url.rstrip("/")) or "."
 
 
 # ---------------------------------------------------------------------------------------------

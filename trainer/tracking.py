@@ -9,8 +9,8 @@ what the store does not take (metrics, pictures, the run's end) waits on disk in
 
     python -m trainer.tracking sync RUN_DIR [--tracking-uri URI]
 
-sends it. A model whose registration fails raises RegistrationFailed, naming the command that
-registers it later.
+sends it. A model whose registration fails (trainer.registry.register_from_run) raises
+RegistrationFailed, naming the command that registers it later.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from mlflow.environment_variables import (
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from trainer.cli import add_debug_flag, one_line_errors
+from defrag.cli import add_debug_flag, one_line_errors
 from trainer.config import Config
 from trainer.spool import MAX_METRICS_PER_BATCH, Spool
 
@@ -316,27 +315,11 @@ class Tracker:
             self.spool.add_image(image, name)
             raise
 
-    def register_model(self, folder: str | Path, name: str = "defrag",
-                       alias: str = "champion", artifact_path: str = "model") -> str | None:
-        """Register a model folder (trainer.registry) from this run: its version (None on a
-        disabled tracker). Raises RegistrationFailed, with the command that registers it later.
-
-        A run that registers several models (e.g. each new best) passes a distinct artifact_path.
-        """
-        if not self.enabled:
-            return None
-        from trainer.registry import register_model  # trainer.registry imports this module
-
-        try:
-            if not self.spool.empty():
-                _probe(self.client)  # the store failed: one short request first
-            return register_model(self.client, self.run_id, folder, name, alias, artifact_path)
-        except Exception as err:
-            command = shlex.join([
-                "python", "-m", "trainer.registry", "register", str(Path(folder).resolve()),
-                "--run-id", self.run_id, "--tracking-uri", self.tracking_uri, "--name", name,
-                "--alias", alias, "--artifact-path", artifact_path])
-            raise RegistrationFailed(f"{type(err).__name__}: {err}", command) from err
+    def check_store(self) -> None:
+        """After a failure of the store, one short request to it before a long one (a model
+        upload): a store still down fails in seconds."""
+        if not self.spool.empty():
+            _probe(self.client)
 
     def finish(self, status: str = "FINISHED", error: str | None = None) -> None:
         """Send what is queued or spooled and close the run as FINISHED, FAILED or KILLED (once),

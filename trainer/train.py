@@ -21,6 +21,7 @@ import torch.distributed as dist
 from PIL import Image
 from tqdm import tqdm
 
+from defrag.vocab import Vocabulary
 from trainer.batch import Batch, batches_on_device, unit_float
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config
@@ -36,7 +37,6 @@ from trainer.preemption import acknowledge, stop_requested
 from trainer.registry import save_model_folder, training_featurizer
 from trainer.tracking import Tracker
 from trainer.train_loader import make_train_loader
-from trainer.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,8 @@ from collections.abc import Container, Iterator
 import torch.distributed as dist
 import webdataset as wds
 
+from defrag.urls import ShardError
+from defrag.vocab import Vocabulary
 from trainer.batch import Batch, Pair, collate
 from trainer.config import Config
 from trainer.loader_processes import run_in_processes
@@ -48,8 +50,7 @@ from trainer.reader import (
     image_chunks,
     with_pixels,
 )
-from trainer.shardset import Shard, ShardError, train_split
-from trainer.vocab import Vocabulary
+from trainer.shardset import Shard, train_split
 
 log = logging.getLogger(__name__)
 
