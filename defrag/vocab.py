@@ -2,7 +2,8 @@
 
 A caption as the featurizer stores it is `{"text", "tokens", "triplets"}` with lowercased tokens
 and triplets `[relation, governor, dependent]`. `Vocabulary.encode` turns it into the sentence
-fragments of one of the paper's three modes, as rows `(relation id, word id, word id)`.
+fragments of one of the paper's three modes, as rows `(relation id, word id, word id)`;
+`encode_words` into its word ids in order (the whole-sentence encoders' input).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class Vocabulary:
         else:
             raise ValueError(f"fragment mode {mode!r}: expected one of {FRAGMENT_MODES}")
         return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+    def encode_words(self, caption: dict) -> np.ndarray:
+        """The caption's word ids in sentence order, int64 [n]; words outside the dictionary are
+        dropped, as `encode` drops their fragments (paper 4), so n may be 0."""
+        return np.array([self.word_index[w] for w in caption["tokens"] if w in self.word_index],
+                        dtype=np.int64)
 
     def save(self, path: str | Path) -> None:
         data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}

@@ -210,7 +210,10 @@ def eval_batches(cfg: Config, vocab: Vocabulary, split: str | None = None,
         torch.cat([b.fragment_sentence + int(k)
                    for b, k in zip(batches, first_sentence, strict=True)]),
         torch.cat([b.image_key for b in batches]),
-        [i for b in batches for i in b.image_ids], [c for b in batches for c in b.captions])
+        [i for b in batches for i in b.image_ids], [c for b in batches for c in b.captions],
+        torch.cat([b.words for b in batches]),
+        torch.cat([b.word_sentence + int(k)
+                   for b, k in zip(batches, first_sentence, strict=True)]))
     return whole, eval_set.problems
 
 
@@ -228,6 +231,8 @@ def test_eval_set_has_every_image_once_with_all_its_captions(
     for sentence, caption in enumerate(expected):
         assert torch.equal(whole.fragments[whole.fragment_sentence == sentence],
                            vocab.encode(caption))
+        assert whole.words[whole.word_sentence == sentence].tolist() == [
+            vocab.words.index(w) for w in caption["tokens"] if w in vocab.words]
     assert torch.bincount(whole.box_image).tolist() == [
         min(2, len(metadata[i]["boxes"])) for i in val]
     two_workers, _ = eval_batches(make_config(shards, {"max_boxes": 2, "workers": 2}), vocab)

@@ -31,9 +31,15 @@ PAIRS = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 3), (3, 1), (1, 2)]
 SPLITS = {2: [3, 4], 3: [2, 3, 2]}  # pairs per rank
 
 
-def make_config(shards, engine: str, stage: int) -> Config:
+# A whole-sentence encoder trains with Kiros et al.'s objective: cosine scores, C_G alone.
+KIROS = {"use_fragment": False, "score": "cosine", "margin": 0.2}
+
+
+def make_config(shards, engine: str, stage: int, encoder: str = "fragments") -> Config:
     return Config.from_dict({
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True,
+                  "sentence_encoder": encoder},
+        "objective": {} if encoder == "fragments" else KIROS,
         "data": {"shards": str(shards), "workers": 0},
         "optim": {"lr": 0.5, "batch_size": len(PAIRS), "frozen_cnn_epochs": 1, "epochs": 2},
         "run": {"engine": engine, "deepspeed_config": f"launch/deepspeed/zero{stage}.json"},
@@ -56,11 +62,11 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
 
 
 def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
-           stage: int) -> None:
+           stage: int, encoder: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets; DeepSpeed requires it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
-    cfg = make_config(shards, engine, stage)
+    cfg = make_config(shards, engine, stage, encoder)
     single = copy.deepcopy(cfg)
     single.run.engine = "ddp"
     start = sum(SPLITS[world_size][:rank])
@@ -75,12 +81,13 @@ def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,stage,world_size", [
-    ("ddp", 0, 2), ("ddp", 0, 3), ("deepspeed", 1, 2), ("deepspeed", 2, 3)])
+@pytest.mark.parametrize("engine,stage,world_size,encoder", [
+    ("ddp", 0, 2, "fragments"), ("ddp", 0, 3, "fragments"), ("deepspeed", 1, 2, "fragments"),
+    ("deepspeed", 2, 3, "fragments"), ("ddp", 0, 2, "lstm"), ("ddp", 0, 3, "lstm")])
 def test_distributed_step_equals_single_process_step(tmp_path, shards, engine, stage,
-                                                     world_size):
-    mp.spawn(worker, args=(world_size, str(tmp_path / "store"), str(shards), engine, stage),
-             nprocs=world_size)
+                                                     world_size, encoder):
+    mp.spawn(worker, args=(world_size, str(tmp_path / "store"), str(shards), engine, stage,
+                           encoder), nprocs=world_size)
 
 
 @pytest.mark.parametrize("region_mode", ["roi", "crop"])

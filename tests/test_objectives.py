@@ -12,6 +12,7 @@ from trainer.distributed import end_process
 from trainer.objectives import (
     DeFragLoss,
     gather_global_batch,
+    image_sentence_scores,
     mil_labels,
     pair_scores,
     same_group_entries,
@@ -34,9 +35,34 @@ def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smo
     return torch.stack(rows)
 
 
+def reference_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth, score):
+    """S of `score`: eq. 6, or the mean image row against the mean sentence row, as their inner
+    product (Socher) or cosine (Kiros 2.2), with explicit loops."""
+    if score == "eq6":
+        return reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth)
+
+    def mean(x, owner, k):
+        rows = [x[i] for i in range(len(x)) if owner[i] == k]
+        return sum(rows, x.new_zeros(x.shape[1])) / max(len(rows), 1)
+
+    rows = []
+    for k in range(num_images):
+        x = mean(v, v_owner, k)
+        row = []
+        for l in range(num_sentences):
+            y = mean(s, s_owner, l)
+            x_k = x
+            if score == "cosine":  # unit vectors; a zero vector stays zero
+                x_k = x / x.norm() if float(x.norm()) else x
+                y = y / y.norm() if float(y.norm()) else y
+            row.append(sum((x_k[i] * y[i] for i in range(len(x))), x.new_zeros(())))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
 def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smooth=5.0,
                    mil=True, balance=True, use_fragment=True, use_global=True,
-                   hardest_negative=False):
+                   hardest_negative=False, score="eq6"):
     """C = C_F + beta C_G exactly as docs/design.md section 4 states it, one scalar at a time."""
     B = len(image_key)
     F = [[v[i] @ s[j] for j in range(len(s))] for i in range(len(v))]
@@ -59,7 +85,7 @@ def reference_loss(v, v_owner, s, s_owner, image_key, beta=1.0, margin=1.0, smoo
         for i, j in group:
             fragment = fragment + weight * torch.relu(1 - labels[i, j] * F[i][j])
 
-    S = reference_pair_scores(v, v_owner, s, s_owner, B, B, smooth)
+    S = reference_scores(v, v_owner, s, s_owner, B, B, smooth, score)
     ranking = v.new_zeros(())
     for k in range(B):
         others = [l for l in range(B) if image_key[l] != image_key[k]]
@@ -113,6 +139,28 @@ def test_loss_matches_reference(mil, balance):
     got = assert_matches_reference(make_batch(**SHARED_IMAGE_BATCH), mil=mil, balance=balance,
                                    beta=0.7, margin=0.5, smooth=5.0)
     assert got["fragment"] > 0 and got["global"] > 0
+
+
+@pytest.mark.parametrize("score", ["cosine", "inner"])
+@pytest.mark.parametrize("hardest_negative", [False, True])
+def test_global_ranking_of_other_scores_matches_reference(score, hardest_negative):
+    """Kiros's (cosine) and Socher's (inner product) ranking losses: eq. 7's hinges over S."""
+    got = assert_matches_reference(make_batch(**SHARED_IMAGE_BATCH, seed=3), use_fragment=False,
+                                   margin=0.2, score=score, hardest_negative=hardest_negative)
+    assert got["global"] > 0
+
+
+@pytest.mark.parametrize("score", ["eq6", "cosine", "inner"])
+def test_image_sentence_scores_match_reference(score):
+    v, v_owner, s, s_owner, _ = make_batch(**SHARED_IMAGE_BATCH, seed=5)
+    got = image_sentence_scores(v, v_owner, s, s_owner, 5, 5, 5.0, score)
+    want = reference_scores(v, v_owner, s, s_owner, 5, 5, 5.0, score)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert (got[:, 2] == 0).all()  # pair 2's sentence has no rows
+    if score == "cosine":
+        assert got.abs().max() <= 1 + 1e-12
+    with pytest.raises(ValueError, match="score 'dot'"):
+        image_sentence_scores(v, v_owner, s, s_owner, 5, 5, 5.0, "dot")
 
 
 @pytest.mark.parametrize("use_fragment,use_global", [(True, False), (False, True)])
@@ -262,6 +310,10 @@ def gradient_contract_worker(rank, world_size, init_file):
     for mil, hardest_negative in ((True, False), (False, False), (True, True)):
         check_gradients(rank, world_size,
                         {"mil": mil, "beta": 0.5, "hardest_negative": hardest_negative})
+    for score, hardest_negative in (("cosine", False), ("inner", False), ("cosine", True)):
+        check_gradients(rank, world_size, {"use_fragment": False, "margin": 0.2,
+                                           "score": score, "hardest_negative": hardest_negative})
+    check_gradients(rank, world_size, {"beta": 0.5, "score": "inner"})  # C_F + Socher's C_G
     end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
 
 

@@ -25,6 +25,7 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.checkpoint import latest_checkpoint, load_state
+from trainer.evaluate import retrieval_metrics
 from trainer.registry import verify_model_folder
 
 pytestmark = pytest.mark.slow
@@ -178,3 +179,49 @@ def test_a_killed_loader_process_stops_the_run_with_its_name(tmp_path, more_shar
     assert process.returncode != 0
     assert (f"trainer.main: error: loader process 0 (pid {loaders[0].pid}) exited unexpectedly "
             f"with exit code -9") in output, output[-3000:]
+
+
+def chance_rsum(sentence_image: torch.Tensor, draws: int = 200) -> float:
+    """The mean rsum of random scores over the same images and sentences."""
+    generator = torch.Generator().manual_seed(0)
+    num_images = int(sentence_image.max()) + 1
+    return sum(retrieval_metrics(torch.rand(num_images, len(sentence_image),
+                                            generator=generator), sentence_image)["rsum"]
+               for _ in range(draws)) / draws
+
+
+@pytest.mark.parametrize("encoder", ["lstm", "linear"])
+def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards, encoder):
+    """Kiros et al.'s encoders through the normal commands: a 2-process training (cosine scores,
+    C_G alone, the CNN fixed) beats chance on val, and the model folder alone tells
+    trainer.evaluate and trainer.retrieve what it is."""
+    config = tiny_config(tmp_path, shards)
+    overrides = [f"model.sentence_encoder={encoder}", "objective.use_fragment=false",
+                 "objective.score=cosine", "objective.margin=0.2", "optim.epochs=8",
+                 "optim.frozen_cnn_epochs=8", "optim.lr=0.05", "optim.anneal_last_epochs=0"]
+    summary = json.loads(finish(torchrun(config, *overrides)).strip().splitlines()[-1])
+    best = tmp_path / "run" / "best"
+    assert json.loads((best / "config.json").read_text())["model"]["sentence_encoder"] == encoder
+    chance = chance_rsum(torch.arange(10).repeat_interleave(5))  # 10 val images, 5 captions
+    assert summary["best_val_rsum"] > chance + 40, (summary["best_val_rsum"], chance)
+
+    evaluation = subprocess.run(
+        [sys.executable, "-m", "trainer.evaluate", "--model", str(best), "--shards",
+         str(shards / "val" / "shard-{000000..000001}.tar")],
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    metrics = json.loads(evaluation.stdout.strip().splitlines()[-1])
+    assert metrics["rsum"] == pytest.approx(summary["best_val_rsum"], abs=1e-3)
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for source in sorted((shards / "source" / "images").glob("*"))[:4]:
+        (images / source.name).write_bytes(source.read_bytes())
+    retrieve = [sys.executable, "-m", "trainer.retrieve", "--model", str(best), "--images",
+                str(images), "--query", "a red star", "--json"]
+    report = json.loads(subprocess.run(retrieve, cwd=ROOT, capture_output=True, text=True,
+                                       check=True).stdout)
+    assert len(report["queries"][0]["results"]) == 4
+    refused = subprocess.run([*retrieve, "--explain", str(tmp_path / "x.png")], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert f"the {encoder} sentence encoder has none" in refused.stderr

@@ -1,6 +1,6 @@
 """A training batch: B (image, caption) pairs with each distinct image once, and the variable
-numbers of boxes and sentence fragments as flat tensors with owner indices (docs/design.md
-section 4).
+numbers of boxes, sentence fragments and words as flat tensors with owner indices
+(docs/design.md section 4).
 
 Images stay uint8 until `Batch.to(device)` makes them float in [0, 1] on the device: the pair
 shuffle puts an image in several batches, and converting it for each on the CPU can cost more
@@ -31,6 +31,7 @@ class CaptionedImage:
     captions: list[str]
     fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
     size: tuple[int, int]  # (width, height) of the original image, which the boxes were in
+    words: list[np.ndarray]  # per caption: int64 [n] word ids in order (`Vocabulary.encode_words`)
 
     def pairs(self) -> list[Pair]:
         return [Pair(self, index) for index in range(len(self.captions))]
@@ -49,8 +50,8 @@ class Batch:
     """B (image, sentence) pairs: one rank's share of a training step (or, for evaluation, a
     few images with every caption of each); the names are trainer/objectives.py's glossary.
 
-    An image appears once even when several of the pairs share it; the boxes and sentence
-    fragments of all pairs are flat tensors with owner indices.
+    An image appears once even when several of the pairs share it; the boxes, sentence
+    fragments and words of all pairs are flat tensors with owner indices.
     """
 
     images: Tensor | None  # [n_img, 3, S, S]: the distinct images, first-seen order; uint8
@@ -66,6 +67,8 @@ class Batch:
     image_key: Tensor  # long [B]: stable key of each pair's image (equal for one image's pairs)
     image_ids: list[str]  # [n_img]: the dataset's name of each image row
     captions: list[str]  # [B]
+    words: Tensor  # long [Nw]: every sentence's word ids in order, one sentence after another
+    word_sentence: Tensor  # long [Nw]: sentence (pair) of each word
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked memory, for asynchronous host-to-GPU copies."""
@@ -87,7 +90,8 @@ class Batch:
 
 
 def collate(pairs: Sequence[Pair]) -> Batch:
-    """A Batch of `pairs`: each distinct image once, boxes and fragments flattened with owners."""
+    """A Batch of `pairs`: each distinct image once, boxes, fragments and words flattened with
+    owners."""
     image_row: dict[str, int] = {}
     images: list[CaptionedImage] = []
     for pair in pairs:
@@ -95,6 +99,7 @@ def collate(pairs: Sequence[Pair]) -> Batch:
             image_row[pair.image.image_id] = len(images)
             images.append(pair.image)
     fragments = [pair.image.fragments[pair.caption] for pair in pairs]
+    words = [pair.image.words[pair.caption] for pair in pairs]
     return Batch(
         images=stack_pixels(images),
         decoded=[image.pixels is not None for image in images],
@@ -106,6 +111,8 @@ def collate(pairs: Sequence[Pair]) -> Batch:
         image_key=torch.tensor([pair.image.image_key for pair in pairs], dtype=torch.long),
         image_ids=[image.image_id for image in images],
         captions=[pair.image.captions[pair.caption] for pair in pairs],
+        words=torch.from_numpy(np.concatenate(words)),
+        word_sentence=owners([len(w) for w in words]),
     )
 
 

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
+from trainer.encoders import NAMES, encoder_class
+
 
 class ConfigError(ValueError):
     """A config file, key or value that cannot be used; the message names it."""
@@ -42,14 +44,18 @@ PositiveInt = Annotated[int, Above(1)]
 NonNegativeInt = Annotated[int, Above(0)]
 PositiveFloat = Annotated[float, Above(0, inclusive=False)]
 NonNegativeFloat = Annotated[float, Above(0)]
+SentenceEncoderName = Literal[NAMES]  # the modules of trainer/encoders
 
 
 @dataclass
 class ModelConfig:
-    """The two fragment encoders (paper Section 3.1, 3.2)."""
+    """The sentence encoder (trainer/encoders) and the image fragment encoder (paper 3.2)."""
 
     embed_dim: PositiveInt = 1000  # size of the fragment space; "approximately 1000" (3.1)
-    # Sentence fragments (eq. 1)
+    # fragments: DeFrag's eq. 1; lstm, linear: Kiros et al. 2014 (one vector per sentence; their
+    # K = 300 is model.embed_dim = model.word_dim = 300, see launch/flickr8k.py)
+    sentence_encoder: SentenceEncoderName = "fragments"
+    # Sentence fragments (eq. 1; the fragments encoder only)
     fragment_mode: Literal["triplet", "bow", "bigram"] = "triplet"  # bow, bigram: ablations
     word_dim: PositiveInt = 200  # d of W_e (3.1); word_vectors' size when they are set
     word_vectors: str | None = None  # GloVe / word2vec text file; None: random init
@@ -83,6 +89,9 @@ class ObjectiveConfig:
     use_fragment: bool = True
     use_global: bool = True
     hardest_negative: bool = False  # eq. 7 with each pair's hardest negatives only (VSE++)
+    # image-sentence score S_kl of eq. 7 and evaluation: eq6 (DeFrag); cosine (Kiros 2.2) or
+    # inner (Socher et al.) of the mean image fragment and the mean sentence row
+    score: Literal["eq6", "cosine", "inner"] = "eq6"
 
 
 @dataclass
@@ -178,6 +187,19 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse incoherent combinations of keys, in one line naming them."""
+        encoder = self.model.sentence_encoder
+        if encoder_class(encoder).whole_sentence:
+            if self.objective.use_fragment:
+                raise ConfigError(f"objective.use_fragment=true (C_F, eq. 4/5) needs sentence "
+                                  f"fragments; model.sentence_encoder={encoder} gives one vector "
+                                  f"per sentence: set objective.use_fragment=false")
+            if self.model.mean_pool:
+                raise ConfigError(f"model.mean_pool is the fragments encoder's DeViSE baseline; "
+                                  f"with model.sentence_encoder={encoder} use objective.score="
+                                  f"inner or cosine (the mean image fragment) instead")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

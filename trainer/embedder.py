@@ -1,12 +1,14 @@
-"""New images and sentences -> a model's fragment embeddings, along the training code path.
+"""New images and sentences -> a model's embeddings (fragments, or one row per sentence for a
+whole-sentence encoder), along the training code path.
 
 An image is read and checked like the featurizer reads it (`featurizer.images.load_image`), boxed
 by a featurizer box source, then resized with its boxes scaled by `trainer.reader.SampleDecoder`,
 exactly like a shard sample; a sentence is parsed by `featurizer.parsing` and encoded with the
-model's own vocabulary (`Vocabulary.encode`). The box source and parser are those of the model's
-training shards, which the model folder records (`featurizer.json`; folders saved before it
-existed: the shards' manifest, when at hand); otherwise selective search and the featurizer's
-default parser (`--boxes` and `--parser` choose).
+model's own vocabulary (`Vocabulary.encode`, or `encode_words` for whole-sentence encoders).
+The box source and parser are those of the model's training shards, which the model folder
+records (`featurizer.json`; folders saved before it existed: the shards' manifest, when at
+hand); otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
+choose).
 """
 
 from __future__ import annotations
@@ -191,12 +193,14 @@ def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
 @torch.no_grad()
 def embed_sentences(texts: Sequence[str], embedder: Embedder,
                     device: str = "cpu") -> FragmentSet:
-    """Sentence fragments of `texts`; a sentence with no fragment the model knows is warned
-    about (it scores 0 with every image, eq. 6)."""
-    mode = embedder.cfg.model.fragment_mode
+    """The sentence rows of `texts` (see FragmentSet.detail); a sentence with no fragment, or
+    no word, the model knows is warned about (it scores 0 with every image, eq. 6)."""
     parsed = embedder.parser.parse(list(texts)) if texts else []
-    ids = [embedder.vocab.encode(p.caption(text), mode) for text, p in zip(texts, parsed,
-                                                                            strict=True)]
+    captions = [p.caption(text) for text, p in zip(texts, parsed, strict=True)]
+    if embedder.model.sentence.whole_sentence:
+        return _embed_whole_sentences(texts, captions, embedder, device)
+    mode = embedder.cfg.model.fragment_mode
+    ids = [embedder.vocab.encode(caption, mode) for caption in captions]
     for text, fragments in zip(texts, ids, strict=True):
         if not len(fragments):
             log.warning("%r has no fragment the model knows (no %s with every word and relation "
@@ -207,3 +211,19 @@ def embed_sentences(texts: Sequence[str], embedder: Embedder,
     fragment_sentence = owners([len(f) for f in ids])
     s = embedder.model.sentence(fragments.to(device), fragment_sentence.to(device)).float().cpu()
     return FragmentSet(list(texts), s, fragment_sentence, fragments)
+
+
+def _embed_whole_sentences(texts: Sequence[str], captions: list[dict], embedder: Embedder,
+                           device: str) -> FragmentSet:
+    """One row per sentence from its words in order (`Vocabulary.encode_words`)."""
+    ids = [embedder.vocab.encode_words(caption) for caption in captions]
+    for text, words in zip(texts, ids, strict=True):
+        if not len(words):
+            log.warning("%r has no word in the model's vocabulary of %d words: it scores 0 "
+                        "with everything", text, len(embedder.vocab.words))
+    words = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *ids]))
+    word_sentence = owners([len(w) for w in ids])
+    s = embedder.model.sentence(words.to(device), word_sentence.to(device),
+                                num_sentences=len(texts)).float().cpu()
+    counts = torch.tensor([[len(w)] for w in ids], dtype=torch.long).reshape(-1, 1)
+    return FragmentSet(list(texts), s, torch.arange(len(texts)), counts)

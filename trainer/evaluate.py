@@ -1,7 +1,8 @@
-"""Bidirectional retrieval evaluation: the eq. 6 score matrix of a test set and its metrics.
+"""Bidirectional retrieval evaluation: the score matrix of a test set and its metrics.
 
-`score_matrix` turns fragment embeddings into image-sentence scores S [N_img, N_sent] block by
-block, so that a 1,000-image test set never holds its [20k, 50k] fragment scores at once.
+`score_matrix` turns fragment embeddings into image-sentence scores S [N_img, N_sent]: eq. 6
+block by block, so that a 1,000-image test set never holds its [20k, 50k] fragment scores at
+once, or the training's other `objective.score` (cosine, inner).
 `retrieval_metrics` ranks with S in both directions (docs/design.md section 5, the vsepp / SCAN
 convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh et al.
 """
@@ -26,6 +27,7 @@ from trainer.config import Config
 from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
 from trainer.features import FeatureCache
 from trainer.model import DeFragModel
+from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
 from trainer.registry import load_model_folder
 from trainer.shardset import is_folder
@@ -84,13 +86,14 @@ def hodosh_metrics(scores: torch.Tensor, sentence_image: torch.Tensor) -> dict[s
 def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owner: torch.Tensor,
                  num_images: int, num_sentences: int, smooth: float = 5.0,
                  chunk_images: int = 64, chunk_sentences: int = 512,
-                 progress: bool = False) -> torch.Tensor:
+                 progress: bool = False, score: str = "eq6") -> torch.Tensor:
     """Eq. 6 for a whole test set: S [num_images, num_sentences], computed in bounded memory.
 
     S_kl = 1/(|g_k| (|g_l| + smooth)) * sum_{i in g_k, j in g_l} max(0, v_i . s_j), where
     v_owner / s_owner give each fragment's image / sentence (any order). Fragment scores exist
     one block of chunk_images images x chunk_sentences sentences at a time. An image or a
-    sentence with no fragments scores 0 with everything.
+    sentence with no fragments scores 0 with everything. Another `score` (cosine, inner) is
+    `trainer.objectives.image_sentence_scores` of the mean rows, at once.
     """
     _check_fragments("v", v, v_owner, num_images)
     _check_fragments("s", s, s_owner, num_sentences)
@@ -102,6 +105,9 @@ def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owne
                          f"chunk_sentences={chunk_sentences}")
     if smooth < 0:
         raise ValueError(f"smooth must be >= 0: got {smooth}")
+    if score != "eq6":
+        return image_sentence_scores(v, v_owner.to(v.device), s, s_owner.to(s.device),
+                                     num_images, num_sentences, smooth, score)
 
     # Sort fragments by owner: an owner's fragments are then one contiguous run of rows, a block
     # is a slice (no copy), and the per-owner sums are segment sums over those runs.
@@ -134,12 +140,13 @@ def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owne
 
 @dataclass
 class Embedded:
-    """Fragment embeddings of an eval set (on the CPU), rows grouped by image and sentence."""
+    """Fragment embeddings of an eval set (on the CPU), rows grouped by image and sentence (one
+    row per sentence from a whole-sentence encoder)."""
 
     v: torch.Tensor  # float [N_box, d]
     box_image: torch.Tensor  # long [N_box]: image row of each image fragment
     s: torch.Tensor  # float [Ns, d]
-    fragment_sentence: torch.Tensor  # long [Ns]: sentence row of each sentence fragment
+    fragment_sentence: torch.Tensor  # long [Ns]: sentence of each row of s
     sentence_image: torch.Tensor  # long [N_sent]: image row of each sentence
     image_ids: list[str]
     captions: list[str]
@@ -192,8 +199,10 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
                 features = cache.lookup(model, batch.images, batch.boxes, batch.box_image,
                                         batch.image_ids, batch.decoded)
             v = model.image.project(features, batch.box_image).float().cpu()
-            s = model.sentence(batch.fragments, batch.fragment_sentence).float().cpu()
-            parts.append(Embedded(v, batch.box_image.cpu(), s, batch.fragment_sentence.cpu(),
+            inputs, sentences = model.sentence.batch_inputs(batch), len(batch.captions)
+            s = model.sentence(*inputs, num_sentences=sentences).float().cpu()
+            parts.append(Embedded(v, batch.box_image.cpu(), s,
+                                  model.sentence.owners(inputs, sentences).cpu(),
                                   batch.sentence_image.cpu(), batch.image_ids, batch.captions,
                                   []))
             bar.update(len(batch.image_ids))
@@ -234,7 +243,8 @@ def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
         raise IncompleteSplit(f"no usable image in split {eval_set.split.name!r}: {line}")
     scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth,
-                          cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress)
+                          cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress,
+                          score=cfg.objective.score)
     metrics = retrieval_metrics(scores, embedded.sentence_image)
     if cfg.eval.hodosh:
         hodosh = hodosh_metrics(scores, embedded.sentence_image)

@@ -1,5 +1,5 @@
-"""Fragment embeddings of many images or sentences, grouped by item, and eq. 6 scores between two
-such sets: what retrieval caches, searches and explains."""
+"""Fragment embeddings of many images or sentences, grouped by item, and the model's scores
+(eq. 6, cosine or inner) between two such sets: what retrieval caches, searches and explains."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ class FragmentSet:
 
     Item k owns the consecutive rows `owner == k`. `detail` says what each fragment is: for
     images its box, float [N, 4] xyxy in the file's pixels; for sentences its (relation, w1, w2)
-    word ids, long [N, 3].
+    word ids, long [N, 3], or for a whole-sentence encoder's one row per sentence the number of
+    its words the model knows, long [N, 1].
     """
 
     items: list[str]  # image file names or sentences
@@ -53,10 +54,12 @@ class FragmentSet:
                            torch.cat([part.detail for part in parts]))
 
 
-def rank(images: FragmentSet, sentences: FragmentSet, smooth: float) -> torch.Tensor:
-    """Eq. 6 scores S [images, sentences], as trainer.evaluate scores a test set."""
+def rank(images: FragmentSet, sentences: FragmentSet, smooth: float,
+         score: str = "eq6") -> torch.Tensor:
+    """Scores S [images, sentences] (`score`: objective.score), as trainer.evaluate scores a
+    test set."""
     return score_matrix(images.embeddings, images.owner, sentences.embeddings, sentences.owner,
-                        len(images.items), len(sentences.items), smooth)
+                        len(images.items), len(sentences.items), smooth, score=score)
 
 
 def top_k(scores: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -125,7 +125,7 @@ def _receive(child: multiprocessing.Process, reader: Connection, process: int) -
     """The next message of a loader process; its exception re-raised here if it failed."""
     try:
         message = reader.recv()
-    except EOFError:
+    except (EOFError, OSError):  # OSError: the process died in the middle of a message
         child.join(timeout=5.0)
         raise RuntimeError(
             f"loader process {process} (pid {child.pid}) exited unexpectedly with exit code "

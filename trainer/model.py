@@ -1,9 +1,10 @@
-"""The two fragment encoders of DeFrag (paper Section 3.1, 3.2) and the model that holds them.
+"""The image fragment encoder of DeFrag (paper Section 3.2) and the model that holds it with a
+sentence encoder of trainer/encoders (`model.sentence_encoder`).
 
-Sentence fragments are dependency triplets (R, w1, w2) embedded by eq. 1,
-`s = ReLU(W_R [W_e w1 ; W_e w2] + b_R)`; image fragments are boxes embedded by eq. 2,
-`v = W_m CNN(I_b) + b_m`. Both land in one `embed_dim`-sized space where the objectives
-(trainer/objectives.py) score them by inner products.
+Image fragments are boxes embedded by eq. 2, `v = W_m CNN(I_b) + b_m`; the sentence side is
+DeFrag's fragments (eq. 1, the default) or a whole-sentence encoder (Kiros et al.'s LSTM or
+linear map). Both land in one `embed_dim`-sized space where the objectives
+(trainer/objectives.py) score them (`objective.score`).
 """
 
 from __future__ import annotations
@@ -11,82 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 import torchvision
 from torch import nn
 
 from defrag.backbones import Backbone, build_backbone
 from defrag.vocab import Vocabulary
 from trainer.config import ModelConfig
+from trainer.encoders import encoder_class
+from trainer.encoders.base import SentenceEncoderBase, mean_by_owner
+from trainer.encoders.fragments import SentenceEncoder
 from trainer.wordvecs import embedding_matrix
+
+__all__ = ["DeFragModel", "ImageEncoder", "SentenceEncoder", "mean_by_owner"]
 
 REGION_MODES = ("roi", "crop")
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def mean_by_owner(x: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """Each row of x replaced by the mean of the rows with its owner (same shape, differentiable).
-
-    The DeViSE-style baseline (`model.mean_pool`): every fragment of an image or a sentence
-    becomes their mean, so the fragment scores of eq. 8 reduce to one mean-vs-mean score.
-    """
-    num_owners = int(owner.max()) + 1 if len(owner) else 0
-    sums = x.new_zeros(num_owners, x.shape[1]).index_add(0, owner, x)
-    counts = torch.bincount(owner, minlength=num_owners).clamp(min=1).to(x.dtype)
-    return (sums / counts[:, None])[owner]
-
-
-class SentenceEncoder(nn.Module):
-    """Eq. 1: one (W_R, b_R) per relation type over the concatenated word vectors, then ReLU."""
-
-    def __init__(self, word_vectors: torch.Tensor, num_relations: int, embed_dim: int,
-                 train_word_vectors: bool = False, mean_pool: bool = False) -> None:
-        super().__init__()
-        if num_relations < 1:
-            raise ValueError(f"sentence encoder: need at least one relation type, got "
-                             f"{num_relations}")
-        self.word_vectors = nn.Parameter(word_vectors.detach().clone().float(),
-                                         requires_grad=train_word_vectors)  # W_e [V, d]
-        fan_in = 2 * word_vectors.shape[1]
-        self.weight = nn.Parameter(torch.empty(num_relations, embed_dim, fan_in))  # W_R
-        self.bias = nn.Parameter(torch.zeros(num_relations, embed_dim))  # b_R
-        # He init: a ReLU follows, so std sqrt(2 / fan_in) keeps the fragments' second moment at
-        # the word vectors' scale; zero bias starts every relation type unbiased.
-        nn.init.normal_(self.weight, std=(2.0 / fan_in) ** 0.5)
-        self.num_relations = num_relations
-        self.embed_dim = embed_dim
-        self.mean_pool = mean_pool
-
-    def forward(self, fragments: torch.Tensor,
-                fragment_sentence: torch.Tensor | None = None) -> torch.Tensor:
-        """Fragments [Ns, 3] of (relation, w1, w2) ids -> embeddings s [Ns, embed_dim].
-
-        Rows are sorted by relation so each W_R is one matmul over its contiguous group (every
-        W_R joins the graph, even with an empty group, so all parameters always get a gradient).
-        With `mean_pool` (DeViSE), each fragment becomes the mean over its sentence
-        (`fragment_sentence` [Ns]) of the linear maps, i.e. the linear map of the mean word
-        vector in BoW mode, and no ReLU: DeViSE's sentence side is linear. With a ReLU, every
-        sentence vector is non-negative and alike, and the global objective drove all scores to
-        0 at once (measured on Flickr8k).
-        """
-        relation = fragments[:, 0]
-        words = F.embedding(fragments[:, 1:], self.word_vectors).flatten(1)  # [Ns, 2d]
-        counts = torch.bincount(relation, minlength=self.num_relations)
-        if counts.numel() > self.num_relations:
-            raise ValueError(f"sentence fragments use relation id {counts.numel() - 1}, the "
-                             f"encoder has {self.num_relations} relation types")
-        order = torch.argsort(relation, stable=True)
-        groups = words[order].split(counts.tolist())
-        # unbind: the backward stacks the per-relation gradients once instead of adding R
-        # full-size [R, embed_dim, 2d] gradients (measured 2-7x faster on CPU).
-        sorted_s = torch.cat([torch.addmm(b, x, w.T) for w, b, x in
-                              zip(self.weight.unbind(0), self.bias.unbind(0), groups, strict=True)])
-        s = sorted_s[torch.argsort(order)]
-        if self.mean_pool:
-            if fragment_sentence is None:
-                raise ValueError("mean-pooled sentence encoder: pass each fragment's sentence")
-            return mean_by_owner(s, fragment_sentence)
-        return torch.relu(s)
 
 
 class ImageEncoder(nn.Module):
@@ -193,9 +133,9 @@ class ImageEncoder(nn.Module):
 
 
 class DeFragModel(nn.Module):
-    """Sentence (eq. 1) and image (eq. 2) fragment encoders into one embedding space."""
+    """A sentence encoder (trainer/encoders) and the image encoder (eq. 2) into one space."""
 
-    def __init__(self, sentence: SentenceEncoder, image: ImageEncoder) -> None:
+    def __init__(self, sentence: SentenceEncoderBase, image: ImageEncoder) -> None:
         super().__init__()
         if sentence.embed_dim != image.projection.out_features:
             raise ValueError(f"sentence embed_dim {sentence.embed_dim} != image embed_dim "
@@ -210,29 +150,30 @@ class DeFragModel(nn.Module):
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
             torch.manual_seed(seed)
             backbone = build_backbone(cfg.backbone, cfg.pretrained, cfg.backbone_weights)
-            sentence = SentenceEncoder(word_vectors, vocab.num_relations(cfg.fragment_mode),
-                                       cfg.embed_dim, cfg.train_word_vectors, cfg.mean_pool)
+            sentence = encoder_class(cfg.sentence_encoder).from_config(cfg, vocab, word_vectors)
             image = ImageEncoder(backbone, cfg.embed_dim, cfg.region_mode, cfg.crop_size,
                                  cfg.roi_output_size, cfg.freeze_batchnorm, cfg.mean_pool)
         return cls(sentence, image)
 
     def forward(self, images: torch.Tensor | None, boxes: torch.Tensor, box_image: torch.Tensor,
-                fragments: torch.Tensor, fragment_sentence: torch.Tensor,
-                features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image fragments v [Nv, embed_dim] (eq. 2) and sentence fragments s [Ns, embed_dim]
-        (eq. 1); see ImageEncoder.region_features and SentenceEncoder.forward for the inputs.
+                *sentence_inputs: torch.Tensor, features: torch.Tensor | None = None,
+                num_sentences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image fragments v [Nv, embed_dim] (eq. 2) and sentence rows s [Ns, embed_dim]: the
+        sentence encoder of `sentence_inputs` (its `inputs` fields of the Batch) for
+        `num_sentences` sentences; see ImageEncoder.region_features for the image inputs.
         Given `features` (the boxes' CNN features, e.g. cached from a frozen CNN), the CNN is
         skipped and `images` may be None (a feature-only batch, trainer/batch.py)."""
         if features is None:
             features = self.image.region_features(images, boxes, box_image)
-        return self.image.project(features, box_image), self.sentence(fragments,
-                                                                      fragment_sentence)
+        s = self.sentence(*sentence_inputs, num_sentences=num_sentences)
+        return self.image.project(features, box_image), s
 
     def cnn_parameters(self) -> list[nn.Parameter]:
         """The CNN's parameters (its own optimizer group: lr scale, phase-2 finetuning)."""
         return self.image.cnn_parameters()
 
     def head_parameters(self) -> list[nn.Parameter]:
-        """Every trainable parameter outside the CNN: W_R, b_R, W_m, b_m (and W_e if trained)."""
+        """Every trainable parameter outside the CNN: the sentence encoder's (W_e if trained),
+        W_m, b_m."""
         cnn = {id(p) for p in self.image.backbone.parameters()}
         return [p for p in self.parameters() if p.requires_grad and id(p) not in cnn]

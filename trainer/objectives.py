@@ -1,4 +1,5 @@
-"""The DeFrag objective (paper Section 3.3): C = C_F + beta * C_G (eq. 3), on one rank or many.
+"""The DeFrag objective (paper Section 3.3): C = C_F + beta * C_G (eq. 3), on one rank or many;
+with `score` cosine or inner, C_G is Kiros et al.'s / Socher et al.'s ranking loss.
 
 Names, one per idea, the same from the batch (trainer/batch.py) through the model to this loss:
   pair k           the k-th (image, sentence) of a batch; sentence k is pair k's caption, so a
@@ -6,13 +7,17 @@ Names, one per idea, the same from the batch (trainer/batch.py) through the mode
   v, v_owner       image fragments [Nv, d] (eq. 2) and each one's pair (each one's image in
                    `pair_scores`); the model embeds `Batch.boxes`, owned by image rows
                    (`box_image`), and an image's fragments are repeated for each of its pairs
-  s, s_owner       sentence fragments [Ns, d] (eq. 1) and each one's sentence:
-                   `Batch.fragment_sentence`
+  s, s_owner       sentence rows [Ns, d] and each one's sentence: the fragments of eq. 1 with
+                   `Batch.fragment_sentence`, or one row per sentence (s_owner = arange(B))
+                   from a whole-sentence encoder (trainer/encoders: lstm, linear)
+  words,           every sentence's word ids in order, sentence after sentence [Nw], and each
+  word_sentence    one's sentence [Nw]: what whole-sentence encoders read (`Batch.words`)
   sentence_image   the image row of each sentence (`Batch.sentence_image`)
   image_key        [B] int64: a stable key of each pair's image; pairs with one key are never
                    each other's negatives (`trainer.reader.image_key` of the image's id)
   image_id         an image's name in the dataset (str; `Batch.image_ids` per image row)
-  F = v s^T        fragment scores; S [images, sentences]: eq. 6's scores (`pair_scores`)
+  F = v s^T        fragment scores; S [images, sentences]: image-sentence scores, eq. 6's
+                   (`pair_scores`) or another `score` (`image_sentence_scores`)
   y_ij             the MIL labels of eq. 5 (`mil_labels`)
 
 Distributed training (docs/design.md section 7): with `world_size` W > 1 every rank calls the
@@ -35,6 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 TERMS = ("loss", "fragment", "global")  # the values of DeFragLoss's output
+SCORES = ("eq6", "cosine", "inner")  # objective.score
 
 
 def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
@@ -45,6 +51,31 @@ def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
     a sentence without fragments scores 0 with everything.
     """
     return _aggregate(torch.relu(v @ s.T), v_owner, s_owner, num_images, num_sentences, smooth)
+
+
+def owner_means(x: Tensor, owner: Tensor, num_owners: int) -> Tensor:
+    """The mean row of each owner [num_owners, d]; zeros for an owner without rows."""
+    sums = x.new_zeros(num_owners, x.shape[1]).index_add(0, owner, x)
+    counts = torch.bincount(owner, minlength=num_owners).clamp(min=1).to(x.dtype)
+    return sums / counts[:, None]
+
+
+def image_sentence_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
+                          num_images: int, num_sentences: int, smooth: float = 5.0,
+                          score: str = "eq6") -> Tensor:
+    """S [num_images, num_sentences] of `score`: eq6 (`pair_scores`), else the mean image
+    fragment x_k against the mean sentence row v_l (one row for whole-sentence encoders):
+    inner = x_k . v_l (Socher et al. 2014, Section 4), cosine = the same of unit vectors
+    (Kiros et al. 2014, Section 2.2). An image or sentence without rows scores 0."""
+    if score == "eq6":
+        return pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth)
+    if score not in SCORES:
+        raise ValueError(f"score {score!r}: expected one of {SCORES}")
+    images = owner_means(v, v_owner, num_images)
+    sentences = owner_means(s, s_owner, num_sentences)
+    if score == "cosine":
+        images, sentences = nn.functional.normalize(images), nn.functional.normalize(sentences)
+    return images @ sentences.T
 
 
 def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images: int,
@@ -120,16 +151,21 @@ class DeFragLoss(nn.Module):
 
     `hardest_negative` (not in the paper; VSE++, Faghri et al. 2018) replaces eq. 7's sums over
     the negatives l by their maximum: each pair k is ranked against its hardest sentence and
-    its hardest image of the (global) batch. With `world_size` > 1 each rank passes its own
-    pairs; `global_negatives` gathers every rank's fragments, so that negatives span the global
-    batch (module doc); without, each rank's loss is that of its local batch.
+    its hardest image of the (global) batch. `score` is C_G's image-sentence score
+    (`image_sentence_scores`): eq6, or cosine with `use_fragment` off and `margin` 0.2 for Kiros
+    et al.'s loss (Kiros eq. 6, their sum over pairs divided by B here). With `world_size` > 1
+    each rank passes its own pairs; `global_negatives` gathers every rank's fragments, so that
+    negatives span the global batch (module doc); without, each rank's loss is that of its
+    local batch.
     """
 
     def __init__(self, beta: float = 1.0, margin: float = 1.0, smooth: float = 5.0,
                  mil: bool = True, balance: bool = True, use_fragment: bool = True,
                  use_global: bool = True, hardest_negative: bool = False, world_size: int = 1,
-                 global_negatives: bool = True) -> None:
+                 global_negatives: bool = True, score: str = "eq6") -> None:
         super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score {score!r}: expected one of {SCORES}")
         if smooth < 0:
             raise ValueError(f"smooth must be >= 0 (eq. 6's n), got {smooth}")
         if not (use_fragment or use_global):
@@ -141,6 +177,7 @@ class DeFragLoss(nn.Module):
         self.use_fragment, self.use_global = use_fragment, use_global
         self.hardest_negative = hardest_negative
         self.world_size, self.global_negatives = world_size, global_negatives
+        self.score = score
 
     def forward(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
                 image_key: Tensor) -> dict[str, Tensor]:
@@ -177,18 +214,19 @@ class DeFragLoss(nn.Module):
             own_pairs = torch.ones(num_pairs, dtype=torch.bool, device=v.device)
         own_rows = own_pairs[v_owner]
         rows_v, rows_owner = (v, v_owner) if own_rows.all() else (v[own_rows], v_owner[own_rows])
-        row_scores = rows_v @ s.T  # F for this rank's image fragments, all sentence fragments
-        zero = row_scores.sum() * 0
+        # F for this rank's image fragments and all sentence rows, when a term needs it
+        row_scores = rows_v @ s.T if self.use_fragment or self.score == "eq6" else None
+        zero = (rows_v.sum() + s.sum()) * 0
 
         positive = negative = zero
-        label_counts = row_scores.new_zeros(2)
+        label_counts = s.new_zeros(2)
         if self.use_fragment:
             positive, negative, label_counts = self._fragment_hinges(row_scores, rows_owner,
                                                                      s_owner, image_key)
         ranking = zero
         if self.use_global:
-            ranking = self._global_ranking(row_scores, rows_owner, v, v_owner, s, s_owner,
-                                           image_key, own_pairs)
+            ranking = self._global_ranking(row_scores, rows_v, rows_owner, v, v_owner, s,
+                                           s_owner, image_key, own_pairs)
         return RankTerms(positive, negative, label_counts, ranking)
 
     def combine(self, terms: RankTerms, label_counts: Tensor) -> dict[str, Tensor]:
@@ -228,19 +266,24 @@ class DeFragLoss(nn.Module):
         negative = other_image + torch.relu(1 + pair[~positive]).sum()
         return torch.relu(1 - pair[positive]).sum(), negative, counts.to(scores.dtype)
 
-    def _global_ranking(self, row_scores: Tensor, rows_owner: Tensor, v: Tensor,
-                        v_owner: Tensor, s: Tensor, s_owner: Tensor, image_key: Tensor,
-                        own_pairs: Tensor) -> Tensor:
-        """C_G of eq. 7 for the own pairs k, averaged over all B pairs."""
+    def _global_ranking(self, row_scores: Tensor | None, rows_v: Tensor, rows_owner: Tensor,
+                        v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
+                        image_key: Tensor, own_pairs: Tensor) -> Tensor:
+        """C_G of eq. 7 (Kiros eq. 6 alike) with `score`'s S for the own pairs k, averaged over
+        all B pairs."""
         num_pairs = image_key.shape[0]
-        rows = _aggregate(torch.relu(row_scores), rows_owner, s_owner, num_pairs, num_pairs,
-                          self.smooth)  # S_kl for own images k, every sentence l
+        if self.score == "eq6":  # S_kl for own images k, every sentence l, from F
+            rows = _aggregate(torch.relu(row_scores), rows_owner, s_owner, num_pairs, num_pairs,
+                              self.smooth)
+        else:
+            rows = image_sentence_scores(rows_v, rows_owner, s, s_owner, num_pairs, num_pairs,
+                                         self.smooth, self.score)
         if bool(own_pairs.all()):
             columns = rows
         else:  # S_lk for every image l, own sentences k
             own_cols = own_pairs[s_owner]
-            columns = pair_scores(v, v_owner, s[own_cols], s_owner[own_cols], num_pairs,
-                                  num_pairs, self.smooth)
+            columns = image_sentence_scores(v, v_owner, s[own_cols], s_owner[own_cols],
+                                            num_pairs, num_pairs, self.smooth, self.score)
         own = own_pairs.nonzero().squeeze(1)
         true_scores = rows[own, own]  # S_kk
         negatives = (image_key[own][:, None] != image_key[None, :]).to(rows.dtype)

@@ -150,7 +150,8 @@ class SampleDecoder:
 
     def describe(self, meta_json: bytes | str) -> CaptionedImage:
         """A sample's metadata as a CaptionedImage whose pixels are not decoded yet: boxes kept
-        and scaled to the decoded size, captions encoded; BadSample if it cannot be used."""
+        and scaled to the decoded size, captions encoded (fragments and words in order);
+        BadSample if it cannot be used."""
         try:
             meta = json.loads(meta_json)
             width, height = int(meta["width"]), int(meta["height"])
@@ -159,6 +160,7 @@ class SampleDecoder:
             captions = [c["text"] for c in meta["captions"]]
             fragments = [self.vocab.encode_array(c, self.fragment_mode)
                          for c in meta["captions"]]
+            words = [self.vocab.encode_words(c) for c in meta["captions"]]
         except (KeyError, ValueError, TypeError) as err:
             raise BadSample(f"unusable metadata ({type(err).__name__}: {err})") from None
         if len(boxes) == 0:
@@ -168,7 +170,7 @@ class SampleDecoder:
         scale = np.array([self.image_size / width, self.image_size / height] * 2, np.float32)
         return CaptionedImage(image_id, image_key(image_id), None,
                               np.clip(boxes * scale, 0, self.image_size), captions, fragments,
-                              (width, height))
+                              (width, height), words)
 
     def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
         """The pixels of `image` decoded from `data`; BadSample if the bytes do not decode to an

@@ -10,8 +10,9 @@ scaled by `trainer.reader.SampleDecoder`, exactly like a shard sample; a sentenc
 source and parser are those of the model's training shards, which the model folder records
 (`featurizer.json`; folders saved before it existed: the shards' manifest, when at hand);
 otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
-choose). Scores are eq. 6 as evaluation computes them
-(`trainer.evaluate.score_matrix`, the model's smoothing).
+choose). Scores are the model's `objective.score` (eq. 6 by default) as evaluation computes them
+(`trainer.evaluate.score_matrix`, the model's smoothing). --explain aligns sentence fragments with
+boxes, so it applies to the fragments sentence encoder only.
 
 The fragment embeddings of --images and --sentences are cached in --index-dir (default
 FOLDER/.defrag-index, or beside the sentences file) as safetensors tensors plus a JSON
@@ -50,6 +51,9 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.query_image and args.sentences is None:
         raise RetrievalError("--query-image ranks sentences: also pass --sentences FILE")
     embedder = load_embedder(args.model, args.boxes, args.detector_weights, args.parser)
+    if args.explain and embedder.model.sentence.whole_sentence:
+        raise RetrievalError(f"--explain aligns sentence fragments with boxes (Figure 4); the "
+                             f"{embedder.cfg.model.sentence_encoder} sentence encoder has none")
     embedder.model.to(args.device)
     index_dir = args.index_dir or (args.images or args.sentences.parent) / CACHE_DIR
     images = (image_embeddings(args.images, index_dir, embedder, args.device) if args.images
@@ -61,10 +65,10 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
                               "sentences": len(sentences.items) if sentences else 0,
                               "queries": []}
     pairs = []  # (image file, image, sentence) of each query's top result, for --explain
-    smooth = embedder.cfg.objective.smooth
+    smooth, score = embedder.cfg.objective.smooth, embedder.cfg.objective.score
     if args.query:
         queries = embed_sentences(args.query, embedder, args.device)
-        scores = rank(images, queries, smooth)
+        scores = rank(images, queries, smooth, score)
         for q, text in enumerate(queries.items):
             best = top_k(scores[:, q], args.top_k)
             report["queries"].append({
@@ -75,7 +79,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
                           queries.select([q])))
     for path in args.query_image:
         query, _ = embed_images([path], embedder, skip_bad=False, device=args.device)
-        best = top_k(rank(query, sentences, smooth)[0], args.top_k)
+        best = top_k(rank(query, sentences, smooth, score)[0], args.top_k)
         report["queries"].append({
             "kind": "image", "query": str(path), "boxes": int(query.counts[0]),
             "results": [{"rank": r, "score": score, "sentence": sentences.items[i],

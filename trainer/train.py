@@ -91,7 +91,7 @@ class Trainer:
         self.loss_fn = DeFragLoss(objective.beta, objective.margin, objective.smooth,
                                   objective.mil, objective.balance, objective.use_fragment,
                                   objective.use_global, objective.hardest_negative,
-                                  ctx.world_size, cfg.run.global_negatives)
+                                  ctx.world_size, cfg.run.global_negatives, objective.score)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size)
@@ -177,12 +177,14 @@ class Trainer:
         if self.cache is not None and not finetunes_cnn(epoch, self.cfg):
             features = self.cache.lookup(self.model, batch.images, batch.boxes, batch.box_image,
                                          batch.image_ids, batch.decoded)
+        inputs, pairs = self.model.sentence.batch_inputs(batch), len(batch.image_key)
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
-            v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, batch.fragments,
-                                   batch.fragment_sentence, features=features)
+            v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, *inputs,
+                                   features=features, num_sentences=pairs)
         v, v_owner = image_fragments_per_pair(v_box.float(), batch)
-        out = self.loss_fn(v, v_owner, s.float(), batch.fragment_sentence, batch.image_key)
+        out = self.loss_fn(v, v_owner, s.float(), self.model.sentence.owners(inputs, pairs),
+                           batch.image_key)
         losses = self.loss_fn.mean_over_ranks(out)
         if not all(map(math.isfinite, losses.values())):
             return self.nonfinite_loss(losses)
@@ -250,7 +252,9 @@ class Trainer:
                                      step=self.state.global_step)
             log.info("epoch %d val (%s): %s", epoch, line,
                      " ".join(f"{k}={v:.1f}" for k, v in metrics.items()))
-            self.tracker.log_image(self.alignment_picture(), f"alignments/epoch-{epoch:03d}.png")
+            if not self.model.sentence.whole_sentence:  # Figure 4 aligns sentence fragments
+                self.tracker.log_image(self.alignment_picture(),
+                                       f"alignments/epoch-{epoch:03d}.png")
         self.log_data_problems()
         if self.ctx.world_size > 1:
             dist.broadcast(rsum, src=0)
