@@ -3,7 +3,8 @@
 A caption as the featurizer stores it is `{"text", "tokens", "triplets"}` with lowercased tokens
 and triplets `[relation, governor, dependent]`. `Vocabulary.encode` turns it into the sentence
 fragments of one of the paper's three modes, as rows `(relation id, word id, word id)`;
-`encode_words` into its word ids in order (the whole-sentence encoders' input).
+`encode_words` into its word ids in order (the whole-sentence encoders' input), `encode_tree` into
+its dependency tree over those words (the tree encoders' input).
 """
 
 from __future__ import annotations
@@ -72,6 +73,45 @@ class Vocabulary:
         return np.array([self.word_index[w] for w in caption["tokens"] if w in self.word_index],
                         dtype=np.int64)
 
+    @property
+    def other_relation(self) -> int:
+        """The relation id of every relation type outside the relation table (`encode_tree`)."""
+        return len(self.relations)
+
+    def encode_tree(self, caption: dict) -> np.ndarray:
+        """The caption's dependency tree over its `encode_words` words, int64 [n, 2]: per kept
+        word, its head's position among the kept words (-1 for a root) and its relation id.
+
+        A word dropped from the dictionary does not break the tree: its kept children hang on
+        its nearest kept ancestor (a root if none), each keeping its own relation, as the
+        featurizer does for a head that is punctuation. A relation outside the relation table
+        (dropped as too rare, or a "root" kept by none) is `other_relation`. The caption's
+        "tree" (shard format 2) is checked: lists as long as "tokens", heads in range, no cycle
+        (ValueError otherwise)."""
+        tokens, tree = caption["tokens"], caption["tree"]
+        heads, relations = tree["heads"], tree["relations"]
+        n = len(tokens)
+        if len(heads) != n or len(relations) != n:
+            raise ValueError(f"tree of {len(heads)} heads and {len(relations)} relations for "
+                             f"{n} tokens")
+        position = {}  # token index -> position among the kept words
+        for index, token in enumerate(tokens):
+            if token in self.word_index:
+                position[index] = len(position)
+        rows = []
+        for index in position:
+            head, steps = heads[index], 0
+            while head != -1 and head not in position:  # climb over dropped words
+                if not (isinstance(head, int) and 0 <= head < n) or steps > n:
+                    raise ValueError(f"tree: head {head!r} of token {index} is out of range "
+                                     f"or in a cycle")
+                head, steps = heads[head], steps + 1
+            rows.append((position[head] if head != -1 else -1,
+                         self.relation_index.get(relations[index], self.other_relation)))
+        tree_rows = np.array(rows, dtype=np.int64).reshape(-1, 2)
+        _check_acyclic(tree_rows[:, 0])
+        return tree_rows
+
     def save(self, path: str | Path) -> None:
         data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}
         Path(path).write_text(json.dumps(data, ensure_ascii=False))
@@ -96,3 +136,15 @@ class Vocabulary:
             raise ValueError(f"{where}: vocabulary format {found!r}, "
                              f"this code reads format {VOCAB_FORMAT}")
         return cls(words=list(data["words"]), relations=list(data["relations"]))
+
+
+def _check_acyclic(heads: np.ndarray) -> None:
+    """ValueError unless following heads from every word reaches a root (-1) in < n steps."""
+    n = len(heads)
+    if n and (heads.min() < -1 or heads.max() >= n):
+        raise ValueError("tree: a head out of range")
+    node = np.arange(n)
+    for _ in range(n):
+        node = np.where(node >= 0, heads[np.maximum(node, 0)], -1)
+    if (node >= 0).any():
+        raise ValueError("tree: the heads form a cycle")

@@ -33,13 +33,16 @@ SPLITS = {2: [3, 4], 3: [2, 3, 2]}  # pairs per rank
 
 # A whole-sentence encoder trains with Kiros et al.'s objective: cosine scores, C_G alone.
 KIROS = {"use_fragment": False, "score": "cosine", "margin": 0.2}
+# The tree encoders with Socher et al.'s: inner-product scores, C_G alone.
+SOCHER = {"use_fragment": False, "score": "inner", "margin": 3.0}
 
 
 def make_config(shards, engine: str, stage: int, encoder: str = "fragments") -> Config:
     return Config.from_dict({
         "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True,
                   "sentence_encoder": encoder},
-        "objective": {} if encoder == "fragments" else KIROS,
+        "objective": ({} if encoder == "fragments" else
+                      SOCHER if encoder in ("dtrnn", "sdtrnn") else KIROS),
         "data": {"shards": str(shards), "workers": 0},
         "optim": {"lr": 0.5, "batch_size": len(PAIRS), "frozen_cnn_epochs": 1, "epochs": 2},
         "run": {"engine": engine, "deepspeed_config": f"launch/deepspeed/zero{stage}.json"},
@@ -83,7 +86,8 @@ def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,stage,world_size,encoder", [
     ("ddp", 0, 2, "fragments"), ("ddp", 0, 3, "fragments"), ("deepspeed", 1, 2, "fragments"),
-    ("deepspeed", 2, 3, "fragments"), ("ddp", 0, 2, "lstm"), ("ddp", 0, 3, "lstm")])
+    ("deepspeed", 2, 3, "fragments"), ("ddp", 0, 3, "lstm"), ("ddp", 0, 3, "dtrnn"),
+    ("ddp", 0, 3, "sdtrnn")])
 def test_distributed_step_equals_single_process_step(tmp_path, shards, engine, stage,
                                                      world_size, encoder):
     mp.spawn(worker, args=(world_size, str(tmp_path / "store"), str(shards), engine, stage,

@@ -114,3 +114,32 @@ def test_format_1_shards_read_as_before_and_are_refused_for_trees(shards: Path,
         assert new_batch[:2] == old_batch[:2]
         assert all(torch.equal(a, b) for a, b in zip(new_batch[2:], old_batch[2:], strict=True))
     assert sum(len(b[2]) for b in read[0]) > 0
+
+
+@pytest.mark.parametrize("encoder", ["dtrnn", "sdtrnn"])
+def test_tree_encoders_read_trees_from_format_2_and_refuse_format_1(shards: Path, tmp_path: Path,
+                                                                    encoder: str) -> None:
+    """The eval set of a tree encoder collates `word_head`/`word_relation` from format-2 shards
+    (one root per caption at least, heads inside their own caption) and refuses format-1 shards
+    in one line naming the encoder and the folder; the lstm reads format 1 without trees."""
+    old = format_1_copy(shards, tmp_path / "old")
+    vocab = Vocabulary.load(shards / "vocab.json")
+
+    def config(folder: Path, name: str) -> Config:
+        return Config.from_dict({"data": {"shards": str(folder), "workers": 0},
+                                 "model": {"image_size": 64, "sentence_encoder": name},
+                                 "objective": {"use_fragment": False, "score": "inner"}})
+
+    batch = next(load_eval_set(config(shards, encoder), vocab, "val").batches(4))
+    assert batch.word_head is not None and batch.word_relation is not None
+    assert len(batch.word_head) == len(batch.word_relation) == len(batch.words) > 0
+    roots = batch.word_head < 0
+    assert set(batch.word_sentence[roots].tolist()) == set(batch.word_sentence.tolist())
+    heads = batch.word_head[~roots]
+    assert torch.equal(batch.word_sentence[heads], batch.word_sentence[~roots])
+    assert int(batch.word_relation.max()) <= vocab.other_relation
+    with pytest.raises(ShardError, match=f"the {encoder} sentence encoder needs .* {old} holds "
+                                         f"format 1 shards"):
+        load_eval_set(config(old, encoder), vocab, "val")
+    lstm = next(load_eval_set(config(old, "lstm"), vocab, "val").batches(4))
+    assert lstm.word_head is None and len(lstm.words) > 0

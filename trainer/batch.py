@@ -32,6 +32,9 @@ class CaptionedImage:
     fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
     size: tuple[int, int]  # (width, height) of the original image, which the boxes were in
     words: list[np.ndarray]  # per caption: int64 [n] word ids in order (`Vocabulary.encode_words`)
+    # per caption: int64 [n, 2] (head position among its words or -1, relation id) of each word
+    # (`Vocabulary.encode_tree`); None unless the sentence encoder reads trees (SampleDecoder)
+    trees: list[np.ndarray] | None = None
 
     def pairs(self) -> list[Pair]:
         return [Pair(self, index) for index in range(len(self.captions))]
@@ -69,6 +72,11 @@ class Batch:
     captions: list[str]  # [B]
     words: Tensor  # long [Nw]: every sentence's word ids in order, one sentence after another
     word_sentence: Tensor  # long [Nw]: sentence (pair) of each word
+    # long [Nw]: row in `words` of each word's head in the dependency tree, -1 for a root; and
+    # each word's relation id to it (`Vocabulary.encode_tree`). None unless every caption was
+    # read with its tree (the tree encoders' `inputs`, shard format 2).
+    word_head: Tensor | None = None
+    word_relation: Tensor | None = None
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked memory, for asynchronous host-to-GPU copies."""
@@ -100,6 +108,10 @@ def collate(pairs: Sequence[Pair]) -> Batch:
             images.append(pair.image)
     fragments = [pair.image.fragments[pair.caption] for pair in pairs]
     words = [pair.image.words[pair.caption] for pair in pairs]
+    word_head = word_relation = None
+    if pairs and all(pair.image.trees is not None for pair in pairs):
+        word_head, word_relation = tree_fields(
+            [pair.image.trees[pair.caption] for pair in pairs])  # type: ignore[index]
     return Batch(
         images=stack_pixels(images),
         decoded=[image.pixels is not None for image in images],
@@ -113,7 +125,19 @@ def collate(pairs: Sequence[Pair]) -> Batch:
         captions=[pair.image.captions[pair.caption] for pair in pairs],
         words=torch.from_numpy(np.concatenate(words)),
         word_sentence=owners([len(w) for w in words]),
+        word_head=word_head,
+        word_relation=word_relation,
     )
+
+
+def tree_fields(trees: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """`Batch.word_head` and `word_relation` of sentences with these `Vocabulary.encode_tree`
+    rows, one sentence after another: head positions become rows of the flat `words`."""
+    counts = np.array([len(tree) for tree in trees], dtype=np.int64)
+    rows = np.concatenate([np.zeros((0, 2), np.int64), *trees])
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    heads = np.where(rows[:, 0] >= 0, rows[:, 0] + starts, -1)
+    return torch.from_numpy(heads), torch.from_numpy(np.ascontiguousarray(rows[:, 1]))
 
 
 def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor | None:

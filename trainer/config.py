@@ -57,6 +57,9 @@ class ModelConfig:
     sentence_encoder: SentenceEncoderName = "fragments"
     # Sentence fragments (eq. 1; the fragments encoder only)
     fragment_mode: Literal["triplet", "bow", "bigram"] = "triplet"  # bow, bigram: ablations
+    # DT-RNN (Socher et al. 2014, 3.2): position matrices W_l1..W_lk and W_r1..W_rk per side;
+    # a child farther than k uses the identity (the paper takes k from the data's widest node)
+    dtrnn_max_children: PositiveInt = 6
     word_dim: PositiveInt = 200  # d of W_e (3.1); word_vectors' size when they are set
     word_vectors: str | None = None  # GloVe / word2vec text file; None: random init
     train_word_vectors: bool = False  # the paper keeps W_e fixed (3.4)

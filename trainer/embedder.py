@@ -31,7 +31,7 @@ from featurizer.boxes import BoxSource, rebuild_box_source
 from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
-from trainer.batch import CaptionedImage, owners, stack_pixels, unit_float
+from trainer.batch import CaptionedImage, owners, stack_pixels, tree_fields, unit_float
 from trainer.config import Config
 from trainer.files import CHECKSUMS
 from trainer.fragment_set import FragmentSet
@@ -221,9 +221,13 @@ def _embed_whole_sentences(texts: Sequence[str], captions: list[dict], embedder:
         if not len(words):
             log.warning("%r has no word in the model's vocabulary of %d words: it scores 0 "
                         "with everything", text, len(embedder.vocab.words))
-    words = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *ids]))
-    word_sentence = owners([len(w) for w in ids])
-    s = embedder.model.sentence(words.to(device), word_sentence.to(device),
-                                num_sentences=len(texts)).float().cpu()
+    fields = {"words": torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *ids])),
+              "word_sentence": owners([len(w) for w in ids])}
+    encoder = embedder.model.sentence
+    if "word_head" in encoder.inputs:  # a tree encoder: the parse's tree over the same words
+        fields["word_head"], fields["word_relation"] = tree_fields(
+            [embedder.vocab.encode_tree(caption) for caption in captions])
+    s = encoder(*(fields[name].to(device) for name in encoder.inputs),
+                num_sentences=len(texts)).float().cpu()
     counts = torch.tensor([[len(w)] for w in ids], dtype=torch.long).reshape(-1, 1)
     return FragmentSet(list(texts), s, torch.arange(len(texts)), counts)

@@ -25,6 +25,7 @@ from trainer.reader import (
     DataProblem,
     ReadOptions,
     SampleDecoder,
+    check_trees,
     image_chunks,
     with_pixels,
 )
@@ -96,7 +97,9 @@ def load_eval_set(cfg: Config, vocab: Vocabulary, split: str | None = None,
     """The eval set of `split` (default data.val_split; data.val_shards or data.shards), this
     rank's share; nothing is read until `batches`."""
     rank, world_size = rank_and_world_size(rank, world_size)
-    return EvalSet(val_split(cfg.data, split), SampleDecoder.from_config(cfg, vocab),
+    shards = val_split(cfg.data, split)
+    check_trees(cfg, shards)
+    return EvalSet(shards, SampleDecoder.from_config(cfg, vocab),
                    ReadOptions.from_config(cfg.data), cfg.data.workers, rank, world_size,
                    max_images)
 

@@ -9,9 +9,14 @@ Names, one per idea, the same from the batch (trainer/batch.py) through the mode
                    (`box_image`), and an image's fragments are repeated for each of its pairs
   s, s_owner       sentence rows [Ns, d] and each one's sentence: the fragments of eq. 1 with
                    `Batch.fragment_sentence`, or one row per sentence (s_owner = arange(B))
-                   from a whole-sentence encoder (trainer/encoders: lstm, linear)
+                   from a whole-sentence encoder (trainer/encoders: lstm, linear, dtrnn,
+                   sdtrnn)
   words,           every sentence's word ids in order, sentence after sentence [Nw], and each
   word_sentence    one's sentence [Nw]: what whole-sentence encoders read (`Batch.words`)
+  word_head,       each word's head in its dependency tree as a row of `words` (-1: a root;
+  word_relation    a caption may be a forest) and its relation id [Nw] (`Vocabulary.encode_tree`:
+                   words out of the dictionary skipped, relations out of the table "other"):
+                   what the tree encoders read (dtrnn, sdtrnn; shard format 2)
   sentence_image   the image row of each sentence (`Batch.sentence_image`)
   image_key        [B] int64: a stable key of each pair's image; pairs with one key are never
                    each other's negatives (`trainer.reader.image_key` of the image's id)

@@ -37,7 +37,8 @@ from defrag.urls import ShardError, describe_error, open_url
 from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
 from trainer.config import Config, DataConfig
-from trainer.shardset import Shard, damaged_shard
+from trainer.encoders import encoder_class
+from trainer.shardset import Shard, SplitShards, damaged_shard
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +126,23 @@ def image_key(image_id: str) -> int:
 
 @dataclass
 class SampleDecoder:
-    """How a shard sample becomes a CaptionedImage: image size, boxes kept, fragment mode."""
+    """How a shard sample becomes a CaptionedImage: image size, boxes kept, fragment mode, and
+    whether the captions' dependency trees are read (`trees`: for an encoder whose `inputs`
+    include `word_head`; a caption then needs its "tree", shard format 2)."""
 
     vocab: Vocabulary
     image_size: int
     max_boxes: int  # boxes kept per image, the whole image (row 0) included
     fragment_mode: str
+    trees: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, vocab: Vocabulary) -> SampleDecoder:
-        """model.image_size / fragment_mode / fullframe_only and data.max_boxes."""
+        """model.image_size / fragment_mode / fullframe_only / sentence_encoder and
+        data.max_boxes."""
         max_boxes = 1 if cfg.model.fullframe_only else cfg.data.max_boxes
-        return cls(vocab, cfg.model.image_size, max_boxes, cfg.model.fragment_mode)
+        return cls(vocab, cfg.model.image_size, max_boxes, cfg.model.fragment_mode,
+                   reads_trees(cfg))
 
     def decode(self, sample: dict, pixels: bool = True) -> CaptionedImage:
         """The CaptionedImage of one shard sample (its pixels left undecoded unless `pixels`);
@@ -161,6 +167,8 @@ class SampleDecoder:
             fragments = [self.vocab.encode_array(c, self.fragment_mode)
                          for c in meta["captions"]]
             words = [self.vocab.encode_words(c) for c in meta["captions"]]
+            trees = ([self.vocab.encode_tree(c) for c in meta["captions"]] if self.trees
+                     else None)
         except (KeyError, ValueError, TypeError) as err:
             raise BadSample(f"unusable metadata ({type(err).__name__}: {err})") from None
         if len(boxes) == 0:
@@ -170,7 +178,7 @@ class SampleDecoder:
         scale = np.array([self.image_size / width, self.image_size / height] * 2, np.float32)
         return CaptionedImage(image_id, image_key(image_id), None,
                               np.clip(boxes * scale, 0, self.image_size), captions, fragments,
-                              (width, height), words)
+                              (width, height), words, trees)
 
     def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
         """The pixels of `image` decoded from `data`; BadSample if the bytes do not decode to an
@@ -183,6 +191,18 @@ class SampleDecoder:
             raise BadSample(f"the image is {size[0]} x {size[1]} pixels, its metadata (and "
                             f"boxes) say {image.size[0]} x {image.size[1]}")
         return pixels
+
+
+def reads_trees(cfg: Config) -> bool:
+    """Whether the sentence encoder of `cfg` reads the captions' dependency trees."""
+    return "word_head" in encoder_class(cfg.model.sentence_encoder).inputs
+
+
+def check_trees(cfg: Config, split: SplitShards) -> None:
+    """A one-line ShardError if the sentence encoder reads trees and `split`'s shards have none
+    (format 1); nothing for the other encoders."""
+    if reads_trees(cfg):
+        split.require_trees(f"the {cfg.model.sentence_encoder} sentence encoder")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from trainer.reader import (
     DataProblem,
     ReadOptions,
     SampleDecoder,
+    check_trees,
     image_chunks,
     with_pixels,
 )
@@ -72,6 +73,7 @@ class TrainLoader:
                              f"(got {data.workers}) and data.shuffle_buffer >= 0 "
                              f"(got {data.shuffle_buffer})")
         self.split = train_split(cfg.data)
+        check_trees(cfg, self.split)
         self.decoder = SampleDecoder.from_config(cfg, vocab)
         self.options = ReadOptions.from_config(data)
         self.workers, self.shuffle_buffer, self.resampled = (data.workers, data.shuffle_buffer,

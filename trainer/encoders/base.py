@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from trainer.config import ModelConfig
 
 
+def word_vector_parameter(word_vectors: Tensor, trainable: bool) -> nn.Parameter:
+    """W_e [V, d], a copy of `word_vectors`, trained only when `trainable` (the papers keep it
+    fixed)."""
+    return nn.Parameter(word_vectors.detach().clone().float(), requires_grad=trainable)
+
+
 def mean_by_owner(x: Tensor, owner: Tensor) -> Tensor:
     """Each row of x replaced by the mean of the rows with its owner (same shape, differentiable).
 
@@ -41,8 +47,9 @@ class SentenceEncoderBase(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, vocab: Vocabulary,
                     word_vectors: Tensor) -> SentenceEncoderBase:
-        """The encoder of `cfg` over `vocab`, its W_e initialised to `word_vectors`."""
-        raise NotImplementedError
+        """The encoder of `cfg` over `vocab`, its W_e initialised to `word_vectors`; by default
+        `cls(word_vectors, model.embed_dim, model.train_word_vectors)`."""
+        return cls(word_vectors, cfg.embed_dim, cfg.train_word_vectors)
 
     def batch_inputs(self, batch: Batch) -> tuple[Tensor, ...]:
         """The Batch fields `inputs`, in order: `forward`'s positional arguments."""

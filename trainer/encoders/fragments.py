@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.encoders import register
-from trainer.encoders.base import SentenceEncoderBase, mean_by_owner
+from trainer.encoders.base import SentenceEncoderBase, mean_by_owner, word_vector_parameter
 
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
@@ -30,8 +30,7 @@ class SentenceEncoder(SentenceEncoderBase):
         if num_relations < 1:
             raise ValueError(f"sentence encoder: need at least one relation type, got "
                              f"{num_relations}")
-        self.word_vectors = nn.Parameter(word_vectors.detach().clone().float(),
-                                         requires_grad=train_word_vectors)  # W_e [V, d]
+        self.word_vectors = word_vector_parameter(word_vectors, train_word_vectors)  # W_e
         fan_in = 2 * word_vectors.shape[1]
         self.weight = nn.Parameter(torch.empty(num_relations, embed_dim, fan_in))  # W_R
         self.bias = nn.Parameter(torch.zeros(num_relations, embed_dim))  # b_R

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainer.encoders import register
-from trainer.encoders.base import SentenceEncoderBase
+from trainer.encoders.base import SentenceEncoderBase, word_vector_parameter
 
 if TYPE_CHECKING:
-    from defrag.vocab import Vocabulary
-    from trainer.config import ModelConfig
+    pass
 
 
 @register
@@ -27,18 +26,11 @@ class LinearEncoder(SentenceEncoderBase):
     def __init__(self, word_vectors: Tensor, embed_dim: int,
                  train_word_vectors: bool = False) -> None:
         super().__init__()
-        self.word_vectors = nn.Parameter(word_vectors.detach().clone().float(),
-                                         requires_grad=train_word_vectors)  # W_e [V, d]
+        self.word_vectors = word_vector_parameter(word_vectors, train_word_vectors)  # W_e
         self.embed_dim = embed_dim
         self.projection = nn.Linear(word_vectors.shape[1], embed_dim, bias=False)  # W
         # LeCun init (no nonlinearity follows), as W_m of eq. 2; the paper gives none.
         nn.init.normal_(self.projection.weight, std=word_vectors.shape[1] ** -0.5)
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, vocab: Vocabulary,
-                    word_vectors: Tensor) -> LinearEncoder:
-        """model.embed_dim and train_word_vectors (Kiros finetune W_e for this model)."""
-        return cls(word_vectors, cfg.embed_dim, cfg.train_word_vectors)
 
     def forward(self, words: Tensor, word_sentence: Tensor, num_sentences: int) -> Tensor:
         """Word ids [Nw], their sentence [Nw] -> s [num_sentences, embed_dim] (a sentence

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainer.encoders import register
-from trainer.encoders.base import SentenceEncoderBase
+from trainer.encoders.base import SentenceEncoderBase, word_vector_parameter
 
 if TYPE_CHECKING:
-    from defrag.vocab import Vocabulary
-    from trainer.config import ModelConfig
+    pass
 
 INIT_RANGE = 0.08  # "weights initialized uniformly from [-0.08, 0.08]" (Kiros 3.1)
 
@@ -43,8 +42,7 @@ class LSTMEncoder(SentenceEncoderBase):
     def __init__(self, word_vectors: Tensor, embed_dim: int,
                  train_word_vectors: bool = False) -> None:
         super().__init__()
-        self.word_vectors = nn.Parameter(word_vectors.detach().clone().float(),
-                                         requires_grad=train_word_vectors)  # W_T [V, d], fixed
+        self.word_vectors = word_vector_parameter(word_vectors, train_word_vectors)  # W_T
         hidden = self.embed_dim = embed_dim  # the hidden state is the sentence vector (K)
         # Gate blocks in the order i, f, c, o: W_x* [d, 4K], W_h* [K, 4K], b_* [4K].
         self.weight_x = nn.Parameter(torch.empty(word_vectors.shape[1], 4 * hidden))
@@ -53,11 +51,6 @@ class LSTMEncoder(SentenceEncoderBase):
         self.bias = nn.Parameter(torch.zeros(4 * hidden))
         for weight in (self.weight_x, self.weight_h, self.weight_c):
             nn.init.uniform_(weight, -INIT_RANGE, INIT_RANGE)
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, vocab: Vocabulary, word_vectors: Tensor) -> LSTMEncoder:
-        """K = model.embed_dim units (Kiros: 300), W_T trained only with train_word_vectors."""
-        return cls(word_vectors, cfg.embed_dim, cfg.train_word_vectors)
 
     def forward(self, words: Tensor, word_sentence: Tensor, num_sentences: int) -> Tensor:
         """Word ids [Nw] grouped by sentence in order, their sentence [Nw] -> s [num_sentences,
