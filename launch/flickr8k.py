@@ -1,4 +1,6 @@
-"""Flickr8k, the paper's Table 2 on the dev split: featurize -> train each row -> evaluate -> table.
+"""Flickr8k on the dev split, the paper's Table 2 and the comparison systems (Kiros et al.'s
+LSTM and linear encoders, Socher et al.'s DT-RNN and SDT-RNN): featurize -> train each row ->
+evaluate -> tables.
 
     .venv/bin/python launch/flickr8k.py               # every row; finished stages are skipped
     .venv/bin/python launch/flickr8k.py full devise   # only these rows
@@ -7,14 +9,15 @@
 Two instances may run different rows at once (e.g. with OMP_NUM_THREADS=1 each on 2 cores).
 
 Stages, each skipped when its output is already there:
-1. featurize ../shared/flickr8k (train + dev; spaCy, selective search scored by
-   EfficientNet-Lite0) into data/flickr8k (resumable shard by shard);
+1. featurize ../shared/flickr8k (train + dev; spaCy parses) into the rows' shard folders:
+   data/flickr8k (Table 2: selective search scored by EfficientNet-Lite0) or data/flickr8k-whole
+   (the comparison systems: the whole image only); resumable shard by shard;
 2. word2vec vectors from the training captions (rows that use them);
 3. train each row: `torchrun --nproc_per_node 1 -m trainer.main` with its config + overrides,
    its own run directory under runs/table2/ (phase-1 CNN features cached once for all rows);
 4. evaluate the row's best model on dev with `python -m trainer.evaluate`.
 Writes runs/table2/results.json (metrics, wall times, per-epoch history) and
-runs/table2/results.md (the table of docs/results.md, beside the paper's Table 2 figures).
+runs/table2/results.md (the tables of docs/results.md, beside the papers' figures).
 """
 
 from __future__ import annotations
@@ -32,27 +35,56 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CONFIG = "launch/configs/flickr8k.yaml"
 SHARDS = "data/flickr8k"
+WHOLE_CONFIG = "launch/configs/flickr8k-whole.yaml"  # the comparison systems
+WHOLE_SHARDS = "data/flickr8k-whole"
 WORD2VEC = "data/flickr8k-wordvecs/word2vec-200.txt"
+WORD2VEC_300 = "data/flickr8k-wordvecs/word2vec-300.txt"  # Kiros et al.'s K = 300
+WORD_VECTORS = {WORD2VEC: 200, WORD2VEC_300: 300}  # file -> size
 RUNS = Path("runs/table2")
-FEATURIZE = [str(BIN / "python"), "-m", "featurizer", "flickr", "--root", "../shared/flickr8k",
-             "--out", SHARDS, "--parser", "spacy", "--boxes", "selective_search",
-             "--splits", "train", "dev", "--shard-size", "250", "--workers", "2"]
+
+
+def featurize_command(out: str, boxes: str) -> list[str]:
+    return [str(BIN / "python"), "-m", "featurizer", "flickr", "--root", "../shared/flickr8k",
+            "--out", out, "--parser", "spacy", "--boxes", boxes, "--splits", "train", "dev",
+            "--shard-size", "250", "--workers", "2"]
+
+
+# shards folder -> (its key in results.json, the command that writes it)
+FEATURIZE = {SHARDS: ("featurize_wall_s", featurize_command(SHARDS, "selective_search")),
+             WHOLE_SHARDS: ("featurize_whole_wall_s", featurize_command(WHOLE_SHARDS,
+                                                                        "fullframe"))}
 NO_MIL = ["objective.mil=false"]
 # The whole-image rows train at lr 0.01 (the region rows diverge there: docs/results.md).
 FULLFRAME = ["model.fullframe_only=true", "optim.lr=0.01"]
 # Rows measured on 2026-11-22 (c0bfc66) at lr 0.01, before it diverged for the full model.
 LR_0_01 = ["optim.lr=0.01"]
 LITE2 = ["model.backbone=efficientnet_lite2", "model.image_size=260"]  # its native input size
+# The comparison systems. Kiros et al.'s Table 1 on Flickr8K with the 19-layer OxfordNet (VGG).
+KIROS_VGG = (18.0, 40.9, 55.0, 8, 12.5, 37.0, 51.5, 10)
+# Their fixed word vectors came from a continuous bag-of-words model; here word2vec vectors
+# learned from the training captions stand in (nothing is downloaded).
+KIROS_VECTORS = [f"model.word_vectors={WORD2VEC_300}", "optim.lr_decay=0.9"]
+# The best found on dev (docs/results.md): Adam, trained random word vectors, a wider space.
+TUNED = ["optim.optimizer=adam", "optim.lr=0.0002", "optim.batch_size=128",
+         "model.train_word_vectors=true", "model.embed_dim=1024", "optim.epochs=12",
+         "optim.anneal_last_epochs=2"]
+# Socher et al.: inner products, margin ~1 ("found via cross validation ... usually around 1"),
+# fixed pretrained word vectors, an L2 penalty; Adam here instead of their Adagrad.
+SOCHER = ["objective.score=inner", "objective.margin=1.0", f"model.word_vectors={WORD2VEC_300}",
+          "optim.optimizer=adam", "optim.lr=0.0002", "optim.weight_decay=0.0001",
+          "optim.batch_size=100", "optim.epochs=12", "optim.anneal_last_epochs=2"]
 TWELVE_EPOCHS = ["optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
 
 
 @dataclass
 class Row:
-    """One line of Table 2: a config, its overrides and the paper's Flickr8K test figures."""
+    """One line of a table: a config, its overrides and the paper's Flickr8K test figures."""
 
     title: str
-    overrides: list[str] = field(default_factory=list)  # on launch/configs/flickr8k.yaml
+    overrides: list[str] = field(default_factory=list)  # on `config`
     paper: tuple[float, ...] | None = None  # i2t R@1 R@5 R@10 med r, t2i R@1 R@5 R@10 med r
+    config: str = CONFIG
+    shards: str = SHARDS
 
 
 ROWS = {
@@ -98,6 +130,23 @@ ROWS = {
                     ["data.resampled=true", "data.epoch_pairs=6000", "optim.epochs=21",
                      "optim.frozen_cnn_epochs=20", "optim.anneal_last_epochs=1",
                      "optim.finetune_cnn=true", "optim.cnn_lr_scale=0.01", *LR_0_01]),
+    # The comparison systems (docs/results.md): launch/configs/flickr8k-whole.yaml holds Kiros
+    # et al.'s settings; every row uses the same cached whole-image EfficientNet-Lite2 features.
+    "kiros_lstm": Row("Kiros et al.: LSTM, their hyper-parameters",
+                      KIROS_VECTORS, paper=KIROS_VGG, config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
+    "kiros_linear": Row("Kiros et al.: linear encoder, their hyper-parameters",
+                        ["model.sentence_encoder=linear", *KIROS_VECTORS], config=WHOLE_CONFIG,
+                        shards=WHOLE_SHARDS),
+    "kiros_lstm_tuned": Row("Kiros et al.: LSTM, tuned on dev", TUNED, paper=KIROS_VGG,
+                            config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
+    "kiros_linear_tuned": Row("Kiros et al.: linear encoder, tuned on dev",
+                              ["model.sentence_encoder=linear", *TUNED], config=WHOLE_CONFIG,
+                              shards=WHOLE_SHARDS),
+    "dtrnn": Row("Socher et al.: DT-RNN", ["model.sentence_encoder=dtrnn", *SOCHER],
+                 config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
+    "sdtrnn": Row("Socher et al.: SDT-RNN", ["model.sentence_encoder=sdtrnn", *SOCHER],
+                  paper=(6.0, 22.7, 34.0, 23, 6.6, 21.6, 31.7, 25), config=WHOLE_CONFIG,
+                  shards=WHOLE_SHARDS),
 }
 METRICS = ("i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr")
 
@@ -126,30 +175,32 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
         print(f"{name}: done already ({run_dir}); delete it to run again")
         return
     (ROOT / run_dir).mkdir(parents=True, exist_ok=True)
-    if any(WORD2VEC in item for item in row.overrides) and not (ROOT / WORD2VEC).is_file():
-        run([str(BIN / "python"), "-m", "featurizer", "wordvecs", "--shards", SHARDS, "--out",
-             WORD2VEC])
+    for vectors, dim in WORD_VECTORS.items():
+        if any(vectors in item for item in row.overrides) and not (ROOT / vectors).is_file():
+            run([str(BIN / "python"), "-m", "featurizer", "wordvecs", "--shards", row.shards,
+                 "--out", vectors, "--dim", str(dim)])
     train_s = run([str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.main",
-                   "--config", CONFIG, "--resume", "latest", f"run.run_dir={run_dir}",
+                   "--config", row.config, "--resume", "latest", f"run.run_dir={run_dir}",
                    *row.overrides, *register_as(name)], ROOT / run_dir / "train.log")
     evaluate = [str(BIN / "python"), "-m", "trainer.evaluate", "--model", str(run_dir / "best"),
-                "--shards", SHARDS, "--split", "dev"]
+                "--shards", row.shards, "--split", "dev"]
     out = subprocess.run(evaluate, check=True, cwd=ROOT, capture_output=True, text=True).stdout
     history = [json.loads(line) for line in (ROOT / run_dir / "history.jsonl").open()]
-    results[name] = {"title": row.title, "config": CONFIG, "overrides": row.overrides,
+    results[name] = {"title": row.title, "config": row.config, "overrides": row.overrides,
                      "train_wall_s": round(train_s), "dev": json.loads(out.splitlines()[-1]),
                      "epochs": history}
     print(out)
 
 
-def table(results: dict) -> str:
-    """Markdown: our dev figures beside the paper's Flickr8K test figures, row by row."""
+def table(results: dict, config: str = CONFIG) -> str:
+    """Markdown: our dev figures beside the paper's Flickr8K test figures, for the rows of
+    `config` (Table 2's, or the comparison systems')."""
     head = ("| Model | image annotation R@1 / R@5 / R@10, med r | image search R@1 / R@5 / "
             "R@10, med r | paper (test): annotation | paper (test): search | train wall |\n"
             "|---|---|---|---|---|---|\n")
     lines = []
     for name, row in ROWS.items():
-        if name not in results:
+        if name not in results or row.config != config:
             continue
         dev = results[name]["dev"]
         ours = [f"{dev[k]:.1f}" if "medr" not in k else f"{dev[k]:.0f}" for k in METRICS]
@@ -176,16 +227,25 @@ def main() -> None:
     os.chdir(ROOT)
     results_file = RUNS / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-    if not (Path(SHARDS) / "manifest.json").is_file() or "featurize_wall_s" not in results:
-        results["featurize_wall_s"] = round(run(FEATURIZE))
-    for name in args.rows or ROWS:
+    names = args.rows or list(ROWS)
+    for shards in dict.fromkeys(ROWS[name].shards for name in names):
+        key, command = FEATURIZE[shards]
+        if not (Path(shards) / "manifest.json").is_file() or key not in results:
+            results[key] = round(run(command))
+    for name in names:
         train_and_evaluate(name, ROWS[name], results)
         # Re-read before writing: another instance may be running other rows at the same time.
         merged = json.loads(results_file.read_text()) if results_file.is_file() else {}
         results = {**merged, **{k: v for k, v in results.items() if k == name or k not in merged}}
         results_file.write_text(json.dumps(results, indent=1))
-        (RUNS / "results.md").write_text(table(results))
-    print(table(results))
+        (RUNS / "results.md").write_text(tables(results))
+    print(tables(results))
+
+
+def tables(results: dict) -> str:
+    """results.md: the Table 2 rows, then the comparison systems' rows."""
+    return (f"## Table 2\n\n{table(results)}\n"
+            f"## The comparison systems\n\n{table(results, WHOLE_CONFIG)}")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,11 @@ spec.loader.exec_module(flickr8k)
 
 @pytest.mark.parametrize("name", list(flickr8k.ROWS))
 def test_every_row_is_a_valid_config(name: str) -> None:
-    cfg = Config.load(ROOT / flickr8k.CONFIG, flickr8k.ROWS[name].overrides)
+    row = flickr8k.ROWS[name]
+    cfg = Config.load(ROOT / row.config, row.overrides)
     assert cfg.data.val_split == "dev"  # hyper-parameters are chosen on dev only
+    assert cfg.data.shards == row.shards  # trained and evaluated on the same shards
+    assert row.shards in flickr8k.FEATURIZE
     if name == "devise":
         assert cfg.model.mean_pool and not cfg.objective.use_fragment
 

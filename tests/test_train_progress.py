@@ -45,3 +45,27 @@ def test_phase_and_lr_changes_are_logged_and_kept_in_the_history(
     bars = capfd.readouterr().err
     for bar in ("epoch 0", "epoch 3", "embed val", "score matrix"):
         assert f"{bar}: 100%" in bars, bar
+
+
+def test_lr_decays_every_epoch_and_anneals_at_the_end() -> None:
+    """lr x lr_decay ** epoch (Kiros 4.1), x anneal_factor for the last epochs (paper 3.4)."""
+    from trainer.train import learning_rate
+
+    cfg = Config.from_dict({"optim": {"lr": 1.0, "lr_decay": 0.5, "epochs": 4,
+                                      "anneal_last_epochs": 1, "anneal_factor": 0.1}})
+    assert [learning_rate(e, cfg) for e in range(4)] == pytest.approx([1, 0.5, 0.25, 0.0125])
+
+
+@pytest.mark.parametrize("name,cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam)])
+def test_optimizer_is_the_configured_one_with_head_and_cnn_groups(name, cls) -> None:
+    from defrag.vocab import Vocabulary
+    from trainer.engine import optimizer_for_phase
+    from trainer.model import DeFragModel
+
+    cfg = Config.from_dict({"model": {"embed_dim": 8, "word_dim": 4, "pretrained": False},
+                            "optim": {"optimizer": name, "lr": 0.5, "cnn_lr_scale": 0.1}})
+    model = DeFragModel.from_config(cfg.model, Vocabulary(words=["a", "b"], relations=["x"]))
+    optimizer = optimizer_for_phase(model, cfg, finetune_cnn=True)
+    assert type(optimizer) is cls
+    assert [(g["name"], g["lr_scale"]) for g in optimizer.param_groups] == [("head", 1.0),
+                                                                            ("cnn", 0.1)]

@@ -99,10 +99,13 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    """SGD schedule of paper Section 3.4."""
+    """Optimiser and schedule (paper 3.4; `optimizer`, `lr_decay`: the comparison systems)."""
 
+    # sgd: the papers' (DeFrag 3.4, Kiros 4.1, Socher); adam: VSE++ and the later open trainers
+    optimizer: Literal["sgd", "adam"] = "sgd"
     lr: PositiveFloat = 0.01
-    momentum: NonNegativeFloat = 0.9
+    lr_decay: PositiveFloat = 1.0  # lr x lr_decay ** epoch: Kiros's "exponentially decreased"
+    momentum: NonNegativeFloat = 0.9  # sgd only
     weight_decay: NonNegativeFloat = 1e-4  # alpha of eq. 3, applied by the optimiser
     batch_size: PositiveInt = 100  # pairs per step, GLOBAL (split over the ranks)
     epochs: PositiveInt = 20

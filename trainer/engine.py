@@ -4,7 +4,8 @@ The training loop only calls `engine(...)` (the wrapped model's forward), `backw
 `skip_step`, `set_lr`, `save` and `load`. An engine is built per phase (paper 3.4): phase 1
 trains the heads with the CNN fixed, phase 2 adds the CNN; both engines register the
 parameters that require gradients when they are built, so the phase switch rebuilds the engine
-and its SGD optimizer (momentum restarts at the switch, identically for both engines).
+and its optimizer (`optim.optimizer`: its momentum or moments restart at the switch,
+identically for both engines).
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ from trainer.config import Config
 from trainer.model import DeFragModel
 
 
-def sgd_for_phase(model: DeFragModel, cfg: Config, finetune_cnn: bool) -> torch.optim.SGD:
-    """SGD with momentum (paper 3.4): a head group, plus the CNN group in phase 2."""
+def optimizer_for_phase(model: DeFragModel, cfg: Config,
+                        finetune_cnn: bool) -> torch.optim.Optimizer:
+    """`optim.optimizer` (SGD with momentum, paper 3.4, or Adam): a head group, plus the CNN
+    group in phase 2."""
     groups = [{"params": model.head_parameters(), "name": "head", "lr_scale": 1.0}]
     if finetune_cnn:
         groups.append({"params": model.cnn_parameters(), "name": "cnn",
                        "lr_scale": cfg.optim.cnn_lr_scale})
+    if cfg.optim.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     return torch.optim.SGD(groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                            weight_decay=cfg.optim.weight_decay)
 
 
 class DDPEngine:
-    """torch DistributedDataParallel (or the bare model in a single process) + torch SGD."""
+    """torch DistributedDataParallel (or the bare model in a single process) + its optimizer."""
 
     def __init__(self, model: DeFragModel, optimizer: torch.optim.Optimizer,
                  device: torch.device, world_size: int, grad_clip: float | None) -> None:
@@ -80,7 +85,7 @@ class DDPEngine:
 
 
 class DeepSpeedEngine:
-    """deepspeed.initialize over the same model and torch SGD; ZeRO stage from the JSON file."""
+    """deepspeed.initialize over the same model and torch optimizer; ZeRO from the JSON file."""
 
     def __init__(self, model: DeFragModel, optimizer: torch.optim.Optimizer, cfg: Config,
                  per_rank_batch: int, bf16: bool) -> None:
@@ -126,9 +131,9 @@ class DeepSpeedEngine:
 
 def build_engine(model: DeFragModel, cfg: Config, finetune_cnn: bool, device: torch.device,
                  world_size: int) -> DDPEngine | DeepSpeedEngine:
-    """The configured engine for one phase, with a fresh SGD over that phase's parameters."""
+    """The configured engine for one phase, with a fresh optimizer over that phase's parameters."""
     model.image.set_cnn_trainable(finetune_cnn)
-    optimizer = sgd_for_phase(model, cfg, finetune_cnn)
+    optimizer = optimizer_for_phase(model, cfg, finetune_cnn)
     if cfg.run.engine == "ddp":
         return DDPEngine(model, optimizer, device, world_size, cfg.optim.grad_clip)
     bf16 = cfg.run.bf16 and device.type == "cuda"

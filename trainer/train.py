@@ -3,8 +3,8 @@
     for each epoch:
         phase 1 (the first `frozen_cnn_epochs`): objective C_0 (no MIL), CNN fixed
         phase 2: objective C_F (MIL) and the CNN finetuned end to end
-        lr x anneal_factor for the last `anneal_last_epochs` epochs
-        for each batch: embed fragments, C_F + beta C_G over the global batch, SGD step
+        lr x lr_decay per epoch (1: none), x anneal_factor for the last `anneal_last_epochs`
+        for each batch: embed fragments, C_F + beta C_G over the global batch, optimizer step
         validate (retrieval on the val split), keep the best model by val rsum, checkpoint
 """
 
@@ -52,9 +52,11 @@ def finetunes_cnn(epoch: int, cfg: Config) -> bool:
 
 
 def learning_rate(epoch: int, cfg: Config) -> float:
-    """The cross-validated lr, x anneal_factor for the last epochs (paper 3.4)."""
+    """The cross-validated lr, x lr_decay per epoch (Kiros 4.1), x anneal_factor for the last
+    epochs (paper 3.4)."""
     annealed = epoch >= cfg.optim.epochs - cfg.optim.anneal_last_epochs
-    return cfg.optim.lr * (cfg.optim.anneal_factor if annealed else 1.0)
+    return cfg.optim.lr * cfg.optim.lr_decay ** epoch * (cfg.optim.anneal_factor if annealed
+                                                          else 1.0)
 
 
 def epoch_plan(epoch: int, cfg: Config) -> dict[str, int | bool | float]:
@@ -171,7 +173,7 @@ class Trainer:
         return frozenset(self.cache.features)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
-        """One SGD step on the global batch (forward, loss, backward, step); returns the global
+        """One optimizer step on the global batch (forward, loss, backward, step): the global
         loss terms."""
         features = None
         if self.cache is not None and not finetunes_cnn(epoch, self.cfg):

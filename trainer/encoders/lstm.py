@@ -64,8 +64,9 @@ class LSTMEncoder(SentenceEncoderBase):
         padded = padded.index_put((positions, word_sentence), inputs)
         m = c = inputs.new_zeros(num_sentences, hidden)
         w_ci, w_cf, w_co = self.weight_c.split(hidden, dim=1)
-        for t in range(steps):
-            x_i, x_f, x_c, x_o = (padded[t] + m @ self.weight_h + self.bias).split(hidden, 1)
+        # unbind: each step's backward then fills its own slice, not a [T, B, 4K] gradient
+        for t, step_inputs in enumerate(padded.unbind(0)):
+            x_i, x_f, x_c, x_o = (step_inputs + m @ self.weight_h + self.bias).split(hidden, 1)
             i = torch.sigmoid(x_i + c @ w_ci)  # eq. 1
             f = torch.sigmoid(x_f + c @ w_cf)  # eq. 2
             c_new = f * c + i * torch.tanh(x_c)  # eq. 3
