@@ -1,7 +1,9 @@
-"""trainer/retrieve.py and the modules it uses (embedder, embedding_cache, explain) end to end
-through `main([...])` on a tiny model and generated scenes: scores equal the evaluation's, the
-index cache is reused and invalidated, --explain draws the alignment, and bad inputs give clear
-messages."""
+"""trainer/retrieve.py and the modules it uses (embedder, embedding_cache, explain, arithmetic)
+end to end through `main([...])` on tiny models and generated scenes: scores equal the
+evaluation's, the index cache is reused and invalidated, --explain draws the alignment (fragments)
+or each word's contribution (whole-sentence encoders), --minus / --plus compute Kiros et al.'s
+eq. 15, and bad inputs give clear messages. tests/test_arithmetic.py measures the arithmetic on a
+trained model."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 import trainer.embedder as embedder
@@ -23,21 +26,25 @@ from featurizer.boxes import make_box_source, rebuild_box_source
 from featurizer.parsing import make_parser
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
-from featurizer.synthetic import generate
-from trainer.config import Config, DataConfig, ModelConfig
+from featurizer.synthetic import COLOURS, generate
+from trainer.config import Config, DataConfig, ModelConfig, ObjectiveConfig
 from trainer.embedding_cache import CACHE_DIR
 from trainer.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, score_matrix
+from trainer.explain import explain_words
+from trainer.fragment_set import rank
 from trainer.model import DeFragModel
-from trainer.pictures import best_boxes, fragment_labels
+from trainer.objectives import owner_means
+from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
 from trainer.registry import load_model_folder, save_model_folder
 
 NUM_VAL = 4
 
 
 class World:
-    """A tiny model trained (well, initialised) on shards of generated scenes with whole-image
-    boxes, a folder holding the val images and a file holding their captions."""
+    """Tiny models trained (well, initialised) on shards of generated scenes with whole-image
+    boxes: the fragments encoder's and Kiros et al.'s linear encoder's (cosine scores); a folder
+    holding the val images and a file holding their captions."""
 
     def __init__(self, root: Path) -> None:
         jsonl = generate(root / "source", num_train=4, num_val=NUM_VAL, seed=0, image_size=64)
@@ -50,6 +57,8 @@ class World:
                                             image_size=64),
                           data=DataConfig(shards=str(self.shards), val_split="val"))
         self.model_dir = self.save_model(root / "model", seed=0)
+        self.linear_dir = self.save_model(root / "linear", seed=0, cfg=whole_sentence(
+            self.cfg, "linear", "cosine"))
         self.images = root / "images"
         self.images.mkdir()
         for path in sorted((root / "source" / "images").glob("val_*.png")):
@@ -60,9 +69,16 @@ class World:
         self.sentences = root / "sentences.txt"
         self.sentences.write_text("\n".join(self.captions) + "\n")
 
-    def save_model(self, folder: Path, seed: int) -> Path:
-        model = DeFragModel.from_config(self.cfg.model, self.vocab, seed=seed)
-        return save_model_folder(folder, model, self.cfg, self.vocab)
+    def save_model(self, folder: Path, seed: int, cfg: Config | None = None) -> Path:
+        cfg = cfg or self.cfg
+        model = DeFragModel.from_config(cfg.model, self.vocab, seed=seed)
+        return save_model_folder(folder, model, cfg, self.vocab)
+
+
+def whole_sentence(cfg: Config, encoder: str, score: str) -> Config:
+    """`cfg` with a whole-sentence encoder, trained on C_G alone with `score`."""
+    return Config(model=ModelConfig(**{**vars(cfg.model), "sentence_encoder": encoder}),
+                  objective=ObjectiveConfig(use_fragment=False, score=score), data=cfg.data)
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +303,122 @@ def test_selective_search_boxes_and_an_image_query(world: World, images: Path, t
     assert out.is_file()
 
 
+def test_explain_lists_each_words_contribution(world: World, images: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A whole-sentence encoder: each word's contribution is the cosine score minus the score
+    without it, here recomputed from the linear encoder's own arithmetic (s = W sum_i W_e w_i);
+    a word outside the vocabulary is listed as such."""
+    query = world.captions[3].rstrip(".") + " zebras"
+    out = tmp_path / "words.png"
+    report = run(capsys, "--model", world.linear_dir, "--images", images, "--query", query,
+                 "--explain", out)
+    explained = report["explain"]
+    top = report["queries"][0]["results"][0]
+    assert explained["image"] == str(images / top["image"]) and explained["picture"] == str(out)
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.width > 400
+        colours = {c for _, c in picture.convert("RGB").getcolors(maxcolors=1 << 20)}
+        assert RAISES in colours or LOWERS in colours  # the bars
+
+    model, _, vocab = load_model_folder(world.linear_dir)
+    tokens = make_parser("spacy").parse([query])[0].tokens
+    assert [w["word"] for w in explained["words"]] == tokens and tokens[-1] == "zebras"
+    assert report["queries"][0]["words"] == sum(w in vocab.word_index for w in tokens)
+    inputs = embedder.load_embedder(world.linear_dir, None, None, None)
+    image, _ = embedder.embed_images([images / top["image"]], inputs, skip_bad=False)
+    x = F.normalize(owner_means(image.embeddings, image.owner, 1))[0]
+    with torch.no_grad():
+        word = {w: model.sentence.projection(model.sentence.word_vectors[vocab.word_index[w]])
+                for w in tokens if w in vocab.word_index}
+    s = sum(word[w] for w in tokens if w in word)
+    assert float(F.cosine_similarity(x, s, dim=0)) == pytest.approx(top["score"], abs=1e-5)
+    expected = [float(F.cosine_similarity(x, s, dim=0) - F.cosine_similarity(x, s - word[w],
+                                                                              dim=0))
+                if w in word else None for w in tokens]
+    got = [w["contribution"] for w in explained["words"]]
+    assert got[-1] is None and got == pytest.approx(expected, abs=1e-5)
+
+    retrieve.main(["--model", str(world.linear_dir), "--images", str(images), "--query", query,
+                   "--explain", str(out)])
+    table = capsys.readouterr().out
+    assert "zebras" in table and "(not in the vocabulary)" in table
+    assert f"{tokens[0]:<20} {got[0]:12.4f}" in table
+
+
+@pytest.mark.parametrize("encoder,score", [("lstm", "cosine"), ("dtrnn", "inner")])
+def test_a_left_out_word_is_read_as_if_deleted(world: World, images: Path, tmp_path: Path,
+                                               encoder: str, score: str) -> None:
+    """Occlusion for a sequence and a tree encoder: the score without a word is the score of
+    the parse with that word deleted (its children hung on its head)."""
+    folder = world.save_model(tmp_path / encoder, seed=0, cfg=whole_sentence(world.cfg, encoder,
+                                                                             score))
+    inputs = embedder.load_embedder(folder, None, None, None)
+    image, _ = embedder.embed_images([images / world.names[0]], inputs, skip_bad=False)
+    sentence = world.captions[7]
+    words = explain_words(images / world.names[0], image, sentence, inputs, tmp_path / "w.png")
+    caption = embedder.parse_captions([sentence], inputs)[0]
+    tokens, tree = caption["tokens"], caption["tree"]
+
+    def deleted(k: int) -> dict:
+        heads = [tree["heads"][k] if h == k else h for h in tree["heads"]]
+        keep = [i for i in range(len(tokens)) if i != k]
+        return {**caption, "tokens": [tokens[i] for i in keep], "tree": {
+            "heads": [heads[i] - (heads[i] > k) if heads[i] >= 0 else -1 for i in keep],
+            "relations": [tree["relations"][i] for i in keep],
+            "pos": [tree["pos"][i] for i in keep]}}
+
+    variants = embedder.embed_captions([caption, *map(deleted, range(len(tokens)))], inputs)
+    scores = rank(image, variants, inputs.cfg.objective.smooth, score)[0].tolist()
+    assert [w["contribution"] for w in words] == pytest.approx(
+        [scores[0] - scores[1 + k] if w in world.vocab.word_index else None
+         for k, w in enumerate(tokens)], abs=1e-5)
+    assert (tmp_path / "w.png").is_file()
+
+
+# ---------------------------------------------------------------- vector arithmetic
+
+
+def test_minus_and_plus_rank_the_images_by_eq_15(world: World, images: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """unit(image) - unit(W e_minus) + unit(W e_plus), cosine with every unit image vector;
+    the query image is ranked with the others and its rank reported."""
+    minus, plus = [c for c in COLOURS if c in world.vocab.word_index][:2]
+    query = images / world.names[1]
+    argv = ["--model", world.linear_dir, "--images", images, "--query-image", query,
+            "--minus", minus, "--plus", plus, "--top-k", str(NUM_VAL)]
+    report = run(capsys, *argv)
+    assert report["sentences"] == 0
+    (result,) = report["queries"]
+    assert result["kind"] == "arithmetic"
+    assert result["query"] == f"{query} - {minus!r} + {plus!r}"
+    assert (result["minus"], result["plus"], result["image"]) == ([minus], [plus], str(query))
+
+    model, _, vocab = load_model_folder(world.linear_dir)
+    inputs = embedder.load_embedder(world.linear_dir, None, None, None)
+    embedded, _ = embedder.embed_images([images / n for n in world.names], inputs,
+                                        skip_bad=False)
+    x = F.normalize(owner_means(embedded.embeddings, embedded.owner, NUM_VAL))
+    with torch.no_grad():
+        word = F.normalize(model.sentence.projection(
+            model.sentence.word_vectors[[vocab.word_index[minus], vocab.word_index[plus]]]))
+    vector = x[1] - word[0] + word[1]
+    expected = dict(zip(world.names, (x @ vector / vector.norm()).tolist(), strict=True))
+    got = {r["image"]: r["score"] for r in result["results"]}
+    assert got == pytest.approx(expected, abs=1e-5)
+    order = [r["image"] for r in result["results"]]
+    assert result["query_image_rank"] == order.index(world.names[1]) + 1
+
+    retrieve.main([str(a) for a in argv])
+    assert f"the query image itself ranks {result['query_image_rank']} of {NUM_VAL}" in (
+        capsys.readouterr().out)
+    elsewhere = tmp_path / "query.png"
+    shutil.copy2(query, elsewhere)
+    retrieve.main([str(a) for a in argv[:4]] + ["--query-image", str(elsewhere), "--plus", plus])
+    table = capsys.readouterr().out
+    assert f"{elsewhere} + {plus!r} (1 boxes; eq. 15 cosine) -> images" in table
+    assert "the query image is not among the --images" in table
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -323,3 +455,19 @@ def test_errors_are_clear(world: World, images: Path, tmp_path: Path,
     (tmp_path / "only" / "broken.png").write_bytes(b"not a picture")
     with pytest.raises(SystemExit, match="none of its 1 images is usable"):
         retrieve.main([*model, "--images", str(tmp_path / "only")])
+
+
+def test_arithmetic_errors_are_clear(world: World, images: Path) -> None:
+    query = ["--images", str(images), "--query-image", str(images / world.names[0])]
+    linear = ["--model", str(world.linear_dir)]
+    with pytest.raises(SystemExit, match="needs sentence vectors that are sums of word vectors, "
+                                         "i.e. a model trained with model.sentence_encoder="
+                                         "linear; this model's sentence encoder is fragments"):
+        retrieve.main(["--model", str(world.model_dir), *query, "--minus", "red"])
+    with pytest.raises(SystemExit, match="--plus 'crimson star': the word 'crimson' is not in "
+                                         "the model's vocabulary"):
+        retrieve.main([*linear, *query, "--plus", "crimson star"])
+    with pytest.raises(SystemExit, match="--minus/--plus change a --query-image"):
+        retrieve.main([*linear, "--images", str(images), "--minus", "red"])
+    with pytest.raises(SystemExit, match="--explain draws a sentence against an image"):
+        retrieve.main([*linear, *query, "--plus", "red", "--explain", "x.png"])

@@ -225,7 +225,10 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     report = json.loads(subprocess.run(retrieve, cwd=ROOT, capture_output=True, text=True,
                                        check=True).stdout)
     assert len(report["queries"][0]["results"]) == 4
-    refused = subprocess.run([*retrieve, "--explain", str(tmp_path / "x.png")], cwd=ROOT,
-                             capture_output=True, text=True)
-    assert refused.returncode != 0
-    assert f"the {encoder} sentence encoder has none" in refused.stderr
+    picture = tmp_path / "words.png"  # --explain: each word's contribution to the score
+    explained = json.loads(subprocess.run([*retrieve, "--explain", str(picture)], cwd=ROOT,
+                                          capture_output=True, text=True, check=True).stdout)
+    known = set(json.loads((best / "vocab.json").read_text())["words"])
+    assert [(w["word"], w["contribution"] is not None) for w in explained["explain"]["words"]] \
+        == [(word, word in known) for word in ("a", "red", "star")]
+    assert explained["explain"]["picture"] == str(picture) and picture.is_file()

@@ -190,15 +190,26 @@ def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
     return v.float().cpu()
 
 
+def parse_captions(texts: Sequence[str], embedder: Embedder) -> list[dict]:
+    """The captions of `texts` as shards store them (tokens, triplets, tree), parsed by the
+    model's parser."""
+    parsed = embedder.parser.parse(list(texts)) if texts else []
+    return [p.caption(text) for text, p in zip(texts, parsed, strict=True)]
+
+
 @torch.no_grad()
 def embed_sentences(texts: Sequence[str], embedder: Embedder,
                     device: str = "cpu") -> FragmentSet:
     """The sentence rows of `texts` (see FragmentSet.detail); a sentence with no fragment, or
     no word, the model knows is warned about (it scores 0 with every image, eq. 6)."""
-    parsed = embedder.parser.parse(list(texts)) if texts else []
-    captions = [p.caption(text) for text, p in zip(texts, parsed, strict=True)]
+    captions = parse_captions(texts, embedder)
     if embedder.model.sentence.whole_sentence:
-        return _embed_whole_sentences(texts, captions, embedder, device)
+        sentences = embed_captions(captions, embedder, device)
+        for text, words in zip(texts, sentences.detail[:, 0].tolist(), strict=True):
+            if not words:
+                log.warning("%r has no word in the model's vocabulary of %d words: it scores 0 "
+                            "with everything", text, len(embedder.vocab.words))
+        return sentences
     mode = embedder.cfg.model.fragment_mode
     ids = [embedder.vocab.encode(caption, mode) for caption in captions]
     for text, fragments in zip(texts, ids, strict=True):
@@ -213,14 +224,12 @@ def embed_sentences(texts: Sequence[str], embedder: Embedder,
     return FragmentSet(list(texts), s, fragment_sentence, fragments)
 
 
-def _embed_whole_sentences(texts: Sequence[str], captions: list[dict], embedder: Embedder,
-                           device: str) -> FragmentSet:
-    """One row per sentence from its words in order (`Vocabulary.encode_words`)."""
+@torch.no_grad()
+def embed_captions(captions: Sequence[dict], embedder: Embedder,
+                   device: str = "cpu") -> FragmentSet:
+    """A whole-sentence encoder's row of each parsed caption (`parse_captions`), from its words
+    in order (`Vocabulary.encode_words`; a tree encoder also reads `encode_tree`)."""
     ids = [embedder.vocab.encode_words(caption) for caption in captions]
-    for text, words in zip(texts, ids, strict=True):
-        if not len(words):
-            log.warning("%r has no word in the model's vocabulary of %d words: it scores 0 "
-                        "with everything", text, len(embedder.vocab.words))
     fields = {"words": torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *ids])),
               "word_sentence": owners([len(w) for w in ids])}
     encoder = embedder.model.sentence
@@ -228,6 +237,7 @@ def _embed_whole_sentences(texts: Sequence[str], captions: list[dict], embedder:
         fields["word_head"], fields["word_relation"] = tree_fields(
             [embedder.vocab.encode_tree(caption) for caption in captions])
     s = encoder(*(fields[name].to(device) for name in encoder.inputs),
-                num_sentences=len(texts)).float().cpu()
+                num_sentences=len(captions)).float().cpu()
     counts = torch.tensor([[len(w)] for w in ids], dtype=torch.long).reshape(-1, 1)
-    return FragmentSet(list(texts), s, torch.arange(len(texts)), counts)
+    return FragmentSet([caption["text"] for caption in captions], s,
+                       torch.arange(len(captions)), counts)

@@ -1,5 +1,6 @@
-"""Why an image and a sentence match (paper Figure 4): each sentence fragment's best box, drawn
-to a file and listed for the retrieval report."""
+"""Why an image and a sentence match, drawn to a file and listed for the retrieval report: each
+sentence fragment's best box (paper Figure 4, the fragments encoder), or each word's contribution
+to the score (whole-sentence encoders, which have no fragments to align)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from featurizer.images import BadImage, load_image
-from trainer.embedder import Embedder, RetrievalError
-from trainer.fragment_set import FragmentSet
-from trainer.pictures import alignment_figure
+from trainer.embedder import Embedder, RetrievalError, embed_captions, parse_captions
+from trainer.fragment_set import FragmentSet, rank
+from trainer.pictures import alignment_figure, word_contribution_figure
 
 log = logging.getLogger(__name__)
+
+# A token no vocabulary holds (parser tokens and word-vector file entries have no spaces).
+LEFT_OUT = "<left out>"
 
 
 def explain(image_path: Path, image: FragmentSet, sentence: FragmentSet, embedder: Embedder,
@@ -25,13 +31,49 @@ def explain(image_path: Path, image: FragmentSet, sentence: FragmentSet, embedde
         log.warning("nothing to explain: %r has no fragment the model knows; %s not written",
                     sentence.items[0], out)
         return []
-    try:
-        pixels = load_image(image_path).image
-    except BadImage as err:
-        raise RetrievalError(f"cannot draw the explanation: {err}") from err
-    picture, alignment = alignment_figure(pixels, boxes, sentence.items[0], v, s, ids,
-                                          embedder.vocab, embedder.cfg.model.fragment_mode)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    picture.save(out)
+    picture, alignment = alignment_figure(_pixels(image_path), boxes, sentence.items[0], v, s,
+                                          ids, embedder.vocab, embedder.cfg.model.fragment_mode)
+    _save(picture, out)
     return [{"fragment": label, "box": b, "xyxy": [round(c, 1) for c in boxes[b].tolist()],
              "score": score} for label, b, score in alignment]
+
+
+def explain_words(image_path: Path, image: FragmentSet, sentence: str, embedder: Embedder,
+                  out: Path, device: str = "cpu") -> list[dict[str, Any]]:
+    """A whole-sentence encoder's score of one image (one item) and `sentence`, word by word:
+    each word's contribution is score(image, sentence) - score(image, sentence without the
+    word) (occlusion), with the model's own objective.score, so it applies to every encoder.
+    The word is left out the way the vocabulary drops an unknown word (a tree encoder hangs its
+    children on its head, `Vocabulary.encode_tree`). Drawn to `out`; returns one entry per
+    word, contribution None for a word the vocabulary drops."""
+    caption = parse_captions([sentence], embedder)[0]
+    tokens = caption["tokens"]
+    known = [i for i, word in enumerate(tokens) if word in embedder.vocab.word_index]
+    if not known:
+        log.warning("nothing to explain: no word of %r is in the model's vocabulary; %s not "
+                    "written", sentence, out)
+        return []
+    variants = [caption, *({**caption, "tokens": [LEFT_OUT if j == i else word
+                                                  for j, word in enumerate(tokens)]}
+                           for i in known)]
+    objective = embedder.cfg.objective
+    scores = rank(image, embed_captions(variants, embedder, device), objective.smooth,
+                  objective.score)[0]
+    contribution = dict(zip(known, (scores[0] - scores[1:]).tolist(), strict=True))
+    words = [(word, contribution.get(i)) for i, word in enumerate(tokens)]
+    _save(word_contribution_figure(_pixels(image_path), sentence, words, float(scores[0]),
+                                   objective.score), out)
+    return [{"word": word, "contribution": value} for word, value in words]
+
+
+def _pixels(image_path: Path) -> Image.Image:
+    """The image file to draw on."""
+    try:
+        return load_image(image_path).image
+    except BadImage as err:
+        raise RetrievalError(f"cannot draw the explanation: {err}") from err
+
+
+def _save(picture: Image.Image, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    picture.save(out)

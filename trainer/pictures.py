@@ -3,7 +3,9 @@
 `best_boxes` aligns every sentence fragment with its highest-scoring image fragment (the inner
 product v_i . s_j of the paper); `render_alignment` draws the image with its boxes and, beside it,
 the sentences and each fragment with its box's colour tag and score; `alignment_figure` does both
-for one image and sentence (the trainer's val picture, retrieval's --explain). Plain PIL.
+for one image and sentence (the trainer's val picture, retrieval's --explain).
+`word_contribution_figure` draws the same image beside a sentence's words, each with a bar for its
+contribution to the score (retrieval's --explain for whole-sentence encoders). Plain PIL.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ IMAGE_SIDE = 480  # the drawn image's longer side in pixels (Flickr images are ~
 PANEL_WIDTH = 460  # the text column beside the image
 MARGIN = 12
 FONT_SIZE = 15
+LINE_HEIGHT = FONT_SIZE + 6
 UNLINKED = (150, 150, 150)  # boxes no fragment aligns to: thin grey outlines
+RAISES, LOWERS = (60, 180, 75), (230, 25, 75)  # bars of words that raise / lower the score
+WORD_COLUMN = 130  # width of the word column beside the bars
 # Distinct colours for linked boxes (Trubetskoy's list, strongest first, grey left out).
 PALETTE = [
     (230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180),
@@ -76,14 +81,11 @@ def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],
     if any(not 0 <= b < len(boxes) for b in triplet_box):
         raise ValueError(f"triplet box indices {list(triplet_box)} outside 0..{len(boxes) - 1}")
     font = ImageFont.load_default(size=FONT_SIZE)
-    line_height = FONT_SIZE + 6
     colour = {}  # box index -> colour, in order of first appearance among the fragments
     for b in triplet_box:
         colour.setdefault(b, PALETTE[len(colour) % len(PALETTE)])
 
-    scale = IMAGE_SIDE / max(image.size)
-    picture = image.convert("RGB").resize(
-        (round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+    picture, scale = _scaled(image)
     draw = ImageDraw.Draw(picture)
     linked_last = sorted(range(len(boxes)), key=lambda b: b in colour)  # coloured boxes on top
     for b in linked_last:
@@ -99,7 +101,59 @@ def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],
     fragments = [(f"{label}  {score:.2f}", b)
                  for label, b, score in zip(triplet_labels, triplet_box, triplet_score,
                                             strict=True)]
-    panel_height = (len(lines) + len(fragments) + 1) * line_height
+    canvas, draw, (x, y) = _beside(picture, lines, len(fragments), font)
+    for text, b in fragments:
+        tag_right = _tag(draw, (x, y), str(b), colour[b], font)
+        draw.text((tag_right + 6, y), text, fill="black", font=font)
+        y += LINE_HEIGHT
+    return canvas
+
+
+def word_contribution_figure(image: Image.Image, sentence: str,
+                             words: Sequence[tuple[str, float | None]], score: float,
+                             score_name: str) -> Image.Image:
+    """The image (scaled like `render_alignment`'s) beside the sentence, its `score` with the
+    image (named `score_name`), and one row per word: a bar for its contribution to the score
+    (green to the right: the word raises it; red to the left: lowers it; scaled to the largest),
+    or, for a contribution of None, "not in the vocabulary"."""
+    font = ImageFont.load_default(size=FONT_SIZE)
+    picture, _ = _scaled(image)
+    width = PANEL_WIDTH - 2 * MARGIN
+    lines = [*_wrap(sentence, font, width), "",
+             *_wrap(f"score {score:.4f} ({score_name}); a bar is the score minus the score "
+                    f"without the word", font, width)]
+    canvas, draw, (x, y) = _beside(picture, lines, len(words), font)
+    values = [abs(value) for _, value in words if value is not None]
+    largest = max(values, default=0.0) or 1.0
+    half = (width - WORD_COLUMN - 70) / 2  # the bars' half width; the value text after them
+    axis = x + WORD_COLUMN + half
+    draw.line((axis, y, axis, y + len(words) * LINE_HEIGHT), fill=UNLINKED)
+    for word, value in words:
+        draw.text((x, y), word, fill="black" if value is not None else UNLINKED, font=font)
+        if value is None:
+            draw.text((x + WORD_COLUMN, y), "not in the vocabulary", fill=UNLINKED, font=font)
+        else:
+            end = axis + half * value / largest
+            draw.rectangle((min(axis, end), y + 3, max(axis, end), y + FONT_SIZE),
+                           fill=RAISES if value >= 0 else LOWERS)
+            draw.text((axis + half + 6, y), f"{value:+.4f}", fill="black", font=font)
+        y += LINE_HEIGHT
+    return canvas
+
+
+def _scaled(image: Image.Image) -> tuple[Image.Image, float]:
+    """The image in RGB with its longer side IMAGE_SIDE, and the scale factor."""
+    scale = IMAGE_SIDE / max(image.size)
+    size = (round(image.width * scale), round(image.height * scale))
+    return image.convert("RGB").resize(size, Image.Resampling.BICUBIC), scale
+
+
+def _beside(picture: Image.Image, lines: Sequence[str], rows: int,
+            font: ImageFont.FreeTypeFont) -> tuple[Image.Image, ImageDraw.ImageDraw,
+                                                   tuple[int, int]]:
+    """A white canvas with `picture` on the left and a text column holding `lines`, a blank
+    line and room for `rows` more lines: the canvas, its drawer and where the rows start."""
+    panel_height = (len(lines) + rows + 1) * LINE_HEIGHT
     height = max(picture.height, panel_height) + 2 * MARGIN
     canvas = Image.new("RGB", (MARGIN + picture.width + PANEL_WIDTH, height), "white")
     canvas.paste(picture, (MARGIN, MARGIN))
@@ -107,13 +161,8 @@ def render_alignment(image: Image.Image, boxes: Sequence[Sequence[float]],
     x, y = MARGIN + picture.width + MARGIN, MARGIN
     for line in lines:
         draw.text((x, y), line, fill="black", font=font)
-        y += line_height
-    y += line_height  # a blank line between the sentences and the fragments
-    for text, b in fragments:
-        tag_right = _tag(draw, (x, y), str(b), colour[b], font)
-        draw.text((tag_right + 6, y), text, fill="black", font=font)
-        y += line_height
-    return canvas
+        y += LINE_HEIGHT
+    return canvas, draw, (x, y + LINE_HEIGHT)  # a blank line before the rows
 
 
 def _tag(draw: ImageDraw.ImageDraw, corner: tuple[float, float], text: str,

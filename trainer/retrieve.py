@@ -2,6 +2,7 @@
 
     python -m trainer.retrieve --model DIR --images FOLDER --query "a red circle on the left"
     python -m trainer.retrieve --model DIR --sentences FILE --query-image PATH --explain OUT.png
+    python -m trainer.retrieve --model DIR --images DIR --query-image X.jpg --minus blue --plus red
 
 New inputs take the training code path: an image is read and checked like the featurizer reads
 it (`featurizer.images.load_image`), boxed by a featurizer box source, then resized with its boxes
@@ -11,8 +12,13 @@ source and parser are those of the model's training shards, which the model fold
 (`featurizer.json`; folders saved before it existed: the shards' manifest, when at hand);
 otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
 choose). Scores are the model's `objective.score` (eq. 6 by default) as evaluation computes them
-(`trainer.evaluate.score_matrix`, the model's smoothing). --explain aligns sentence fragments with
-boxes, so it applies to the fragments sentence encoder only.
+(`trainer.evaluate.score_matrix`, the model's smoothing).
+
+--explain draws the first query against its top result: for the fragments sentence encoder each
+sentence fragment linked to its best box (Figure 4, trainer.explain.explain); for a
+whole-sentence encoder each word's contribution to the score, by leaving it out
+(trainer.explain.explain_words). --minus / --plus make a --query-image rank the --images by
+Kiros et al.'s multimodal vector arithmetic (trainer.arithmetic; linear encoder only).
 
 The fragment embeddings of --images and --sentences are cached in --index-dir (default
 FOLDER/.defrag-index, or beside the sentences file) as safetensors tensors plus a JSON
@@ -29,8 +35,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from defrag.cli import add_debug_flag, one_line_errors
 from featurizer.pipeline import Settings
+from trainer.arithmetic import arithmetic_scores, check_encoder, expression, term_vectors
 from trainer.embedder import (
     DEFAULT_BOXES,
     RetrievalError,
@@ -39,22 +48,31 @@ from trainer.embedder import (
     load_embedder,
 )
 from trainer.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
-from trainer.explain import explain
-from trainer.fragment_set import rank, top_k
+from trainer.explain import explain, explain_words
+from trainer.fragment_set import FragmentSet, rank, top_k
 from trainer.retrieval_report import format_report
 
 
 def search(args: argparse.Namespace) -> dict[str, Any]:
     """Build or refresh the indexes, answer the queries, explain the first one: the report."""
+    arithmetic = bool(args.minus or args.plus)
     if args.query and args.images is None:
         raise RetrievalError("--query ranks images: also pass --images FOLDER")
-    if args.query_image and args.sentences is None:
+    if arithmetic and not (args.query_image and args.images):
+        raise RetrievalError("--minus/--plus change a --query-image, which then ranks the "
+                             "--images: pass --query-image PATH and --images FOLDER")
+    if args.query_image and not arithmetic and args.sentences is None:
         raise RetrievalError("--query-image ranks sentences: also pass --sentences FILE")
+    if args.explain and not (args.query or args.query_image and not arithmetic):
+        raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
+                             "a --query-image without --minus/--plus")
     embedder = load_embedder(args.model, args.boxes, args.detector_weights, args.parser)
-    if args.explain and embedder.model.sentence.whole_sentence:
-        raise RetrievalError(f"--explain aligns sentence fragments with boxes (Figure 4); the "
-                             f"{embedder.cfg.model.sentence_encoder} sentence encoder has none")
+    if arithmetic:
+        check_encoder(embedder)
     embedder.model.to(args.device)
+    if arithmetic:  # before the indexes: a word outside the vocabulary fails at once
+        minus = term_vectors(args.minus, "--minus", embedder, args.device)
+        plus = term_vectors(args.plus, "--plus", embedder, args.device)
     index_dir = args.index_dir or (args.images or args.sentences.parent) / CACHE_DIR
     images = (image_embeddings(args.images, index_dir, embedder, args.device) if args.images
               else None)
@@ -69,29 +87,56 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.query:
         queries = embed_sentences(args.query, embedder, args.device)
         scores = rank(images, queries, smooth, score)
+        # what the model reads of each: its fragments, or (one row each) its known words
+        unit, sizes = (("words", queries.detail[:, 0]) if embedder.model.sentence.whole_sentence
+                       else ("fragments", queries.counts))
         for q, text in enumerate(queries.items):
             best = top_k(scores[:, q], args.top_k)
             report["queries"].append({
-                "kind": "sentence", "query": text, "fragments": int(queries.counts[q]),
+                "kind": "sentence", "query": text, unit: int(sizes[q]),
                 "results": [{"rank": r, "score": score, "image": images.items[i]}
                             for r, (i, score) in enumerate(best, 1)]})
             pairs.append((args.images / images.items[best[0][0]], images.select([best[0][0]]),
                           queries.select([q])))
     for path in args.query_image:
         query, _ = embed_images([path], embedder, skip_bad=False, device=args.device)
+        if arithmetic:
+            report["queries"].append(arithmetic_query(path, query, images, minus, plus, args))
+            continue
         best = top_k(rank(query, sentences, smooth, score)[0], args.top_k)
         report["queries"].append({
             "kind": "image", "query": str(path), "boxes": int(query.counts[0]),
             "results": [{"rank": r, "score": score, "sentence": sentences.items[i],
                          "line": lines[i]} for r, (i, score) in enumerate(best, 1)]})
         pairs.append((path, query, sentences.select([best[0][0]])))
-    if args.explain and pairs:
+    if args.explain:
         image_path, image, sentence = pairs[0]
-        alignment = explain(image_path, image, sentence, embedder, args.explain)
-        report["explain"] = {"image": str(image_path), "sentence": sentence.items[0],
-                             "picture": str(args.explain) if alignment else None,
-                             "fragments": alignment}
+        report["explain"] = {"image": str(image_path), "sentence": sentence.items[0]}
+        if embedder.model.sentence.whole_sentence:
+            words = explain_words(image_path, image, sentence.items[0], embedder, args.explain,
+                                  args.device)
+            report["explain"].update(picture=str(args.explain) if words else None, words=words)
+        else:
+            alignment = explain(image_path, image, sentence, embedder, args.explain)
+            report["explain"].update(picture=str(args.explain) if alignment else None,
+                                     fragments=alignment)
     return report
+
+
+def arithmetic_query(path: Path, query: FragmentSet, images: FragmentSet, minus: torch.Tensor,
+                     plus: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """The report of a --query-image with --minus/--plus: the --images ranked by Kiros et al.'s
+    eq. 15 (trainer.arithmetic), and the rank of the query image itself when it is one of
+    them (None otherwise), which shows whether the top results are just the query image."""
+    order = top_k(arithmetic_scores(images, query, minus, plus), len(images.items))
+    own = path.name if path.resolve().parent == args.images.resolve() else None
+    return {"kind": "arithmetic", "query": expression(str(path), args.minus, args.plus),
+            "image": str(path), "minus": args.minus, "plus": args.plus,
+            "boxes": int(query.counts[0]),
+            "query_image_rank": next((r for r, (i, _) in enumerate(order, 1)
+                                      if images.items[i] == own), None),
+            "results": [{"rank": r, "score": score, "image": images.items[i]}
+                        for r, (i, score) in enumerate(order[:args.top_k], 1)]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rank the --images for this sentence (repeatable)")
     parser.add_argument("--query-image", action="append", default=[], type=Path,
                         metavar="PATH", help="rank the --sentences for this image (repeatable)")
+    parser.add_argument("--minus", action="append", default=[], metavar="WORDS",
+                        help="with --query-image: subtract these words from the image and rank "
+                             "the --images (Kiros et al. eq. 15; linear encoder; repeatable)")
+    parser.add_argument("--plus", action="append", default=[], metavar="WORDS",
+                        help="with --query-image: add these words to the image and rank the "
+                             "--images (repeatable)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--index-dir", type=Path,
                         help=f"index cache (default: IMAGES/{CACHE_DIR}, or beside SENTENCES)")
