@@ -129,7 +129,7 @@ def arithmetic_query(path: Path, query: FragmentSet, images: FragmentSet, minus:
     eq. 15 (trainer.arithmetic), and the rank of the query image itself when it is one of
     them (None otherwise), which shows whether the top results are just the query image."""
     order = top_k(arithmetic_scores(images, query, minus, plus), len(images.items))
-    own = path.name if path.resolve().parent == args.images.resolve() else None
+    own = path.name if path.parent.resolve() == args.images.resolve() else None
     return {"kind": "arithmetic", "query": expression(str(path), args.minus, args.plus),
             "image": str(path), "minus": args.minus, "plus": args.plus,
             "boxes": int(query.counts[0]),
