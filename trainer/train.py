@@ -141,29 +141,29 @@ class Trainer:
         self.model.train()
         self.loader.set_epoch(epoch, skip_pixels=self.cached_images(epoch))
         steps, done = self.steps, self.state.step_in_epoch
-        bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}",
-                   disable=not self.ctx.is_main, dynamic_ncols=True)
         started, pairs_seen = time.perf_counter(), 0
         batches = batches_on_device(self.loader.batches(skip=done), self.ctx.device)
-        for index, batch in enumerate(batches, start=done):
-            losses = self.train_step(batch, epoch)
-            self.state.step_in_epoch = index + 1
-            self.state.global_step += 1
-            pairs_seen += len(batch.image_key) * self.ctx.world_size
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses['loss']:.4f}")
-            if self.state.global_step % self.cfg.run.log_every_steps == 0:
-                rate = pairs_seen / (time.perf_counter() - started)
-                self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
-                                          "train/lr": lr, "train/pairs_per_s": rate},
-                                         step=self.state.global_step)
-            if stop_requested(self.run_dir, self.ctx):  # e.g. SLURM's time limit is near
-                self.checkpoint()
-                raise acknowledge(self.run_dir, self.ctx, self.state.global_step)
-            every = self.cfg.run.checkpoint_every_steps
-            if every and self.state.global_step % every == 0 and self.state.step_in_epoch < steps:
-                self.checkpoint()
-        bar.close()
+        # closed however the epoch ends (a preemption, an error): no bar left to print at exit
+        with tqdm(total=steps, initial=done, desc=f"epoch {epoch}",
+                  disable=not self.ctx.is_main, dynamic_ncols=True) as bar:
+            for index, batch in enumerate(batches, start=done):
+                losses = self.train_step(batch, epoch)
+                self.state.step_in_epoch = index + 1
+                self.state.global_step += 1
+                pairs_seen += len(batch.image_key) * self.ctx.world_size
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses['loss']:.4f}")
+                if self.state.global_step % self.cfg.run.log_every_steps == 0:
+                    rate = pairs_seen / (time.perf_counter() - started)
+                    self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
+                                              "train/lr": lr, "train/pairs_per_s": rate},
+                                             step=self.state.global_step)
+                if stop_requested(self.run_dir, self.ctx):  # e.g. SLURM's time limit is near
+                    self.checkpoint()
+                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step)
+                every = self.cfg.run.checkpoint_every_steps
+                if every and self.state.global_step % every == 0 and index + 1 < steps:
+                    self.checkpoint()
 
     def cached_images(self, epoch: int) -> frozenset[str]:
         """Images whose pixels this frozen-CNN epoch need not decode: their features are in this
