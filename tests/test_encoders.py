@@ -1,6 +1,7 @@
 """The sentence encoders against slow references written from their papers' equations (Kiros et
 al. 2014: the LSTM of eqs. 1-5, the linear encoder of Section 3.2; Socher et al. 2014: the DT-RNN
-and SDT-RNN of eq. 4, by recursion over the tree), and their registry."""
+and SDT-RNN of eq. 4, by recursion over the tree; VSE++'s GRU from Cho et al.'s gate equations),
+and their registry."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from trainer.config import Config, ConfigError
 from trainer.encoders import NAMES, encoder_class
 from trainer.encoders.dtrnn import DTRNNEncoder
 from trainer.encoders.fragments import SentenceEncoder
+from trainer.encoders.gru import GRUEncoder
 from trainer.encoders.linear import LinearEncoder
 from trainer.encoders.lstm import LSTMEncoder
 from trainer.encoders.sdtrnn import SDTRNNEncoder
@@ -56,6 +58,24 @@ def reference_linear(encoder: LinearEncoder, sentence: list[int]) -> torch.Tenso
     return encoder.projection.weight @ total
 
 
+def reference_gru(encoder: GRUEncoder, sentence: list[int]) -> torch.Tensor:
+    """Cho et al. 2014's GRU one word at a time (r, z gates; the candidate n resets W_hn h + b_hn),
+    h starting at zero; the sentence vector is the last h."""
+    rnn = encoder.rnn
+    W_i = dict(zip("rzn", rnn.weight_ih_l0.split(encoder.embed_dim), strict=True))
+    W_h = dict(zip("rzn", rnn.weight_hh_l0.split(encoder.embed_dim), strict=True))
+    b_i = dict(zip("rzn", rnn.bias_ih_l0.split(encoder.embed_dim), strict=True))
+    b_h = dict(zip("rzn", rnn.bias_hh_l0.split(encoder.embed_dim), strict=True))
+    h = rnn.bias_ih_l0.new_zeros(encoder.embed_dim)
+    for word in sentence:
+        x = encoder.word_vectors[word]
+        r = torch.sigmoid(W_i["r"] @ x + b_i["r"] + W_h["r"] @ h + b_h["r"])
+        z = torch.sigmoid(W_i["z"] @ x + b_i["z"] + W_h["z"] @ h + b_h["z"])
+        n = torch.tanh(W_i["n"] @ x + b_i["n"] + r * (W_h["n"] @ h + b_h["n"]))
+        h = (1 - z) * n + z * h
+    return h
+
+
 def make(cls, seed=0):
     torch.manual_seed(seed)
     encoder = cls(torch.randn(7, 5), embed_dim=6, train_word_vectors=True).double()
@@ -66,7 +86,8 @@ def make(cls, seed=0):
 
 
 @pytest.mark.parametrize("cls,reference", [(LSTMEncoder, reference_lstm),
-                                           (LinearEncoder, reference_linear)])
+                                           (LinearEncoder, reference_linear),
+                                           (GRUEncoder, reference_gru)])
 def test_encoder_matches_reference(cls, reference):
     encoder = make(cls)
     words, owner = flat(SENTENCES)
@@ -96,7 +117,7 @@ def test_lstm_reads_words_in_order_and_starts_from_kiros_init():
 
 
 def test_registry_builds_every_encoder_from_config():
-    assert set(NAMES) >= {"fragments", "lstm", "linear", "dtrnn", "sdtrnn"}
+    assert set(NAMES) >= {"fragments", "lstm", "linear", "dtrnn", "sdtrnn", "gru"}
     assert encoder_class("fragments") is SentenceEncoder
     vocab = Vocabulary(words=["a", "red", "star", "blue"], relations=["amod", "det"])
     for name in NAMES:
@@ -106,12 +127,13 @@ def test_registry_builds_every_encoder_from_config():
         model = DeFragModel.from_config(cfg.model, vocab)
         assert type(model.sentence) is encoder_class(name)
         assert model.sentence.word_vectors.shape == (4, 4)
-    with pytest.raises(ValueError, match="sentence encoder 'gru'"):
-        encoder_class("gru")
+    with pytest.raises(ValueError, match="sentence encoder 'transformer'"):
+        encoder_class("transformer")
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.sentence_encoder=gru"], "model.sentence_encoder = 'gru': expected one of"),
+    (["model.sentence_encoder=transformer"],
+     "model.sentence_encoder = 'transformer': expected one of"),
     (["model.sentence_encoder=lstm"], "objective.use_fragment=true .* set objective.use_fragment"),
     (["model.sentence_encoder=linear", "objective.use_fragment=false", "model.mean_pool=true"],
      "model.mean_pool is the fragments encoder's"),

@@ -1,5 +1,6 @@
 """trainer/registry.py: the model folder (round trip, refusals), registration on a real sqlite
-MLflow store, download by alias and version, and the download command in a subprocess."""
+MLflow store, download by alias and version, the download command in a subprocess, and ensemble
+folders (members verified, registered and downloaded whole)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ from trainer.registry import (
     download_model,
     load_model_folder,
     main,
+    member_folders,
     register_from_run,
     register_model,
+    save_ensemble,
     save_model_folder,
     verify_model_folder,
 )
@@ -303,3 +306,74 @@ def test_register_command_registers_a_saved_folder_later(
     model, _, _ = load_model_folder(download_model("models:/defrag@champion", tmp_path / "dl",
                                                    tracker.tracking_uri))
     assert_same_weights(model, saved[1])
+
+
+# ---------------------------------------------------------------- ensembles
+
+
+@pytest.fixture
+def ensemble(saved: tuple[Path, DeFragModel, Config], tmp_path: Path) -> tuple[Path, Path]:
+    """An ensemble folder of the saved model and another (seed 5), and that other member."""
+    other, config = tiny_model(seed=5)
+    second = save_model_folder(tmp_path / "second", other, config, VOCAB_WORDS)
+    main(["ensemble", str(saved[0]), str(second), "--out", str(tmp_path / "ensemble")])
+    return tmp_path / "ensemble", second
+
+
+def test_ensemble_folder_holds_verified_copies_of_its_members(
+        ensemble: tuple[Path, Path], saved: tuple[Path, DeFragModel, Config]) -> None:
+    folder, second = ensemble
+    verify_model_folder(folder)
+    members = member_folders(folder)
+    assert [m.name for m in members] == ["member-0", "member-1"]
+    assert_same_weights(load_model_folder(members[0])[0], saved[1])
+    assert_same_weights(load_model_folder(members[1])[0], load_model_folder(second)[0])
+    assert member_folders(saved[0]) == [saved[0]]  # one model: itself
+    with pytest.raises(ModelFolderError, match="is an ensemble of 2 models, not one"):
+        load_model_folder(folder)
+
+
+def test_damaged_ensembles_are_refused(ensemble: tuple[Path, Path],
+                                       saved: tuple[Path, DeFragModel, Config]) -> None:
+    folder, second = ensemble
+    member = folder / "member-1"
+    (member / VOCAB).write_bytes((member / VOCAB).read_bytes().replace(b"dog", b"cat"))
+    with pytest.raises(ModelFolderError, match=f"member-1/{VOCAB} does not match its checksum"):
+        verify_model_folder(folder)
+    rewrite_checksums(member)  # a member swapped for another consistent folder
+    with pytest.raises(ModelFolderError, match="member-1 is not the member ensemble.json records"):
+        verify_model_folder(folder)
+    member.rename(folder / "member-9")
+    with pytest.raises(ModelFolderError, match=r"holds the folders \['member-0', 'member-9'\] "
+                                               r"but ensemble.json lists"):
+        verify_model_folder(folder)
+    (folder / "member-9").rename(member)
+    main(["ensemble", str(saved[0]), str(second), "--out", str(folder)])  # replaced, intact
+    with pytest.raises(ModelFolderError, match="is an ensemble itself"):
+        save_ensemble(folder.with_name("nested"), [folder, saved[0]])
+
+
+def test_ensemble_members_must_share_a_score(saved: tuple[Path, DeFragModel, Config],
+                                             tmp_path: Path) -> None:
+    model, config = tiny_model(seed=5)
+    config.objective.score = "cosine"
+    other = save_model_folder(tmp_path / "cosine", model, config, VOCAB_WORDS)
+    with pytest.raises(SystemExit, match="ensemble: error: the members score differently"):
+        main(["ensemble", str(saved[0]), str(other), "--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match="needs 2 or more member model folders: got 1"):
+        main(["ensemble", str(saved[0]), "--out", str(tmp_path / "e")])
+    assert not (tmp_path / "e").exists()
+
+
+def test_ensemble_is_registered_and_downloaded_whole(ensemble: tuple[Path, Path],
+                                                     tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    folder, _ = ensemble
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    main(["ensemble", *map(str, member_folders(folder)), "--out", str(tmp_path / "again"),
+          "--name", "defrag-ensemble", "--tracking-uri", uri])
+    assert capsys.readouterr().out.split()[-1] == "models:/defrag-ensemble/1"
+    dst = download_model("models:/defrag-ensemble@champion", tmp_path / "dl", uri)
+    assert [m.name for m in member_folders(dst)] == ["member-0", "member-1"]
+    for got, want in zip(member_folders(dst), member_folders(folder), strict=True):
+        assert (got / CHECKSUMS).read_bytes() == (want / CHECKSUMS).read_bytes()

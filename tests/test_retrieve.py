@@ -1,9 +1,10 @@
 """trainer/retrieve.py and the modules it uses (embedder, embedding_cache, explain, arithmetic)
 end to end through `main([...])` on tiny models and generated scenes: scores equal the
-evaluation's, the index cache is reused and invalidated, --explain draws the alignment (fragments)
-or each word's contribution (whole-sentence encoders), --minus / --plus compute Kiros et al.'s
-eq. 15, and bad inputs give clear messages. tests/test_arithmetic.py measures the arithmetic on a
-trained model."""
+evaluation's (for an ensemble folder: the mean of its members', in trainer.evaluate too), the
+index cache is reused and invalidated, --explain draws the alignment (fragments) or each word's
+contribution (whole-sentence encoders), --minus / --plus compute Kiros et al.'s eq. 15, and bad
+inputs give clear messages. tests/test_arithmetic.py measures the arithmetic on a trained
+model."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import trainer.embedder as embedder
+import trainer.evaluate as evaluate
 import trainer.retrieve as retrieve
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source, rebuild_box_source
@@ -30,13 +32,13 @@ from featurizer.synthetic import COLOURS, generate
 from trainer.config import Config, DataConfig, ModelConfig, ObjectiveConfig
 from trainer.embedding_cache import CACHE_DIR
 from trainer.eval_set import load_eval_set
-from trainer.evaluate import embed_eval_set, score_matrix
+from trainer.evaluate import embed_eval_set, retrieval_metrics, score_matrix
 from trainer.explain import explain_words
 from trainer.fragment_set import rank
 from trainer.model import DeFragModel
 from trainer.objectives import owner_means
 from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
-from trainer.registry import load_model_folder, save_model_folder
+from trainer.registry import load_model_folder, member_folders, save_ensemble, save_model_folder
 
 NUM_VAL = 4
 
@@ -149,6 +151,47 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
     assert [r["score"] for r in by_sentence["results"]] == pytest.approx(
         scores[1, best].tolist(), abs=1e-5)
     assert by_sentence["boxes"] == 1  # the training shards' box source: fullframe
+
+
+def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """trainer.retrieve and trainer.evaluate on an ensemble folder: the mean of its members'
+    score matrices, as each member's evaluation computes them."""
+    folder = save_ensemble(tmp_path / "ensemble",
+                           [world.model_dir, world.save_model(tmp_path / "seed1", seed=1)])
+    want = 0
+    for member in member_folders(folder):
+        model, cfg, vocab = load_model_folder(member)
+        embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+        want = want + score_matrix(embedded.v, embedded.box_image, embedded.s,
+                                   embedded.fragment_sentence, embedded.num_images,
+                                   embedded.num_sentences, cfg.objective.smooth) / 2
+
+    report = run(capsys, "--model", folder, "--images", images, "--sentences", world.sentences,
+                 "--query", world.captions[6], "--query-image", images / world.names[1],
+                 "--top-k", str(NUM_VAL))
+    assert report["ensemble"] == [str(folder / "member-0"), str(folder / "member-1")]
+    by_image, by_sentence = report["queries"]
+    got = {r["image"]: r["score"] for r in by_image["results"]}
+    assert got == pytest.approx(dict(zip(world.names, want[:, 6].tolist(), strict=True)),
+                                abs=1e-5)
+    best = torch.argsort(want[1], descending=True, stable=True)[:NUM_VAL].tolist()
+    assert [r["line"] for r in by_sentence["results"]] == [j + 1 for j in best]
+    assert [r["score"] for r in by_sentence["results"]] == pytest.approx(want[1, best].tolist(),
+                                                                         abs=1e-5)
+    assert sorted(p.name for p in (images / CACHE_DIR).iterdir()) == ["member-0", "member-1"]
+
+    evaluate.main(["--model", str(folder), "--shards", str(world.shards), "--split", "val",
+                   "--workers", "0"])
+    printed = capsys.readouterr().out
+    assert "evaluated an ensemble of 2 models, " in printed
+    metrics = json.loads(printed.splitlines()[-1])
+    assert metrics["members"] == 2
+    assert metrics["rsum"] == pytest.approx(
+        retrieval_metrics(want, embedded.sentence_image)["rsum"])
+    with pytest.raises(SystemExit, match="is an ensemble of 2 models; --explain and --minus"):
+        retrieve.main(["--model", str(folder), "--images", str(images), "--query", "a circle",
+                       "--explain", str(tmp_path / "x.png")])
 
 
 def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture) -> None:

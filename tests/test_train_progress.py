@@ -56,6 +56,19 @@ def test_lr_decays_every_epoch_and_anneals_at_the_end() -> None:
     assert [learning_rate(e, cfg) for e in range(4)] == pytest.approx([1, 0.5, 0.25, 0.0125])
 
 
+def test_hardest_negatives_start_after_the_warm_up() -> None:
+    """VSE++: summed hinges before objective.hardest_negative_from_epoch, the hardest after."""
+    from trainer.train import describe_plan, epoch_plan
+
+    cfg = Config.from_dict({"objective": {"hardest_negative": True,
+                                          "hardest_negative_from_epoch": 2}})
+    assert [epoch_plan(e, cfg)["hardest_negative"] for e in range(4)] == [False, False, True,
+                                                                         True]
+    assert describe_plan(epoch_plan(2, cfg), cfg).endswith(", hardest negatives (VSE++)")
+    off = Config.from_dict({"objective": {"hardest_negative_from_epoch": 2}})
+    assert not any(epoch_plan(e, off)["hardest_negative"] for e in range(4))
+
+
 @pytest.mark.parametrize("name,cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam)])
 def test_optimizer_is_the_configured_one_with_head_and_cnn_groups(name, cls) -> None:
     from defrag.vocab import Vocabulary

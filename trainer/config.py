@@ -92,6 +92,9 @@ class ObjectiveConfig:
     use_fragment: bool = True
     use_global: bool = True
     hardest_negative: bool = False  # eq. 7 with each pair's hardest negatives only (VSE++)
+    # ... from this epoch on; summed hinges before it (VSE++'s warm-up: the max of random
+    # negatives early in training gives little signal)
+    hardest_negative_from_epoch: NonNegativeInt = 0
     # image-sentence score S_kl of eq. 7 and evaluation: eq6 (DeFrag); cosine (Kiros 2.2) or
     # inner (Socher et al.) of the mean image fragment and the mean sentence row
     score: Literal["eq6", "cosine", "inner"] = "eq6"

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ from trainer.features import FeatureCache
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
-from trainer.registry import load_model_folder
+from trainer.registry import load_model_folder, member_folders
 from trainer.shardset import is_folder
 
 RECALL_AT = (1, 5, 10)
@@ -232,6 +233,19 @@ def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
     and a line saying what was evaluated out of what; every rank embeds its share, rank 0 scores
     (the other ranks get None). IncompleteSplit when images are missing (eval.allow_incomplete).
     `cache`: the frozen CNN's features (see embed_eval_set)."""
+    scored = score_eval_set(model, eval_set, cfg, device, progress, cache)
+    if scored is None:
+        return None
+    scores, embedded, line = scored
+    return split_metrics(scores, embedded.sentence_image, cfg.eval.hodosh), line
+
+
+def score_eval_set(model: DeFragModel, eval_set: EvalSet, cfg: Config,
+                   device: torch.device | str = "cpu", progress: bool = False,
+                   cache: FeatureCache | None = None
+                   ) -> tuple[torch.Tensor, Embedded, str] | None:
+    """The score matrix of `model` on `eval_set` with the embeddings it came from and the line
+    of `evaluate_model` (None on ranks other than 0)."""
     embedded = gather_embedded(embed_eval_set(model, eval_set, device, cfg.eval.image_batch,
                                               cache, progress))
     if embedded is None:
@@ -245,11 +259,17 @@ def evaluate_model(model: DeFragModel, eval_set: EvalSet, cfg: Config,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth,
                           cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress,
                           score=cfg.objective.score)
-    metrics = retrieval_metrics(scores, embedded.sentence_image)
-    if cfg.eval.hodosh:
-        hodosh = hodosh_metrics(scores, embedded.sentence_image)
-        metrics.update({f"hodosh_{key}": value for key, value in hodosh.items()})
-    return metrics, line
+    return scores, embedded, line
+
+
+def split_metrics(scores: torch.Tensor, sentence_image: torch.Tensor,
+                  hodosh: bool = False) -> dict[str, float]:
+    """retrieval_metrics, and with `hodosh` hodosh_metrics under hodosh_* keys."""
+    metrics = retrieval_metrics(scores, sentence_image)
+    if hodosh:
+        extra = hodosh_metrics(scores, sentence_image)
+        metrics.update({f"hodosh_{key}": value for key, value in extra.items()})
+    return metrics
 
 
 def _group_by_owner(x: torch.Tensor, owner: torch.Tensor,
@@ -307,7 +327,9 @@ def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners
 def main(argv: list[str] | None = None) -> None:
     """`python -m trainer.evaluate --model DIR --shards SHARDS`: metrics, last line JSON."""
     parser = argparse.ArgumentParser(prog="trainer.evaluate", description=main.__doc__)
-    parser.add_argument("--model", required=True, help="a registered model folder")
+    parser.add_argument("--model", required=True,
+                        help="a registered model folder, or an ensemble folder (the mean of its "
+                             "members' scores; trainer.registry ensemble)")
     parser.add_argument("--shards", required=True,
                         help="featurizer output folder or its http(s) URL (with --split), or a "
                              "WebDataset shard list such as 'data/test/shard-{000000..000004}.tar'"
@@ -328,24 +350,41 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    """The work of `main`: load the model and the split, evaluate, print."""
-    model, cfg, vocab = load_model_folder(args.model)
-    model.to(args.device)
-    cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
-                                   manifest=args.manifest, workers=args.workers)
-    cfg.eval.allow_incomplete = args.allow_incomplete
+    """The work of `main`: load the model (each member of an ensemble) and the split, evaluate,
+    print."""
     split = args.split or _split_of_list(args.shards)
-    eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
-    metrics, line = evaluate_model(model, eval_set, cfg, args.device, progress=True)
+    members = member_folders(args.model)
+    total, first = None, None
+    for member in members:
+        if len(members) > 1:
+            print(f"member {member.name} of {len(members)}", file=sys.stderr)
+        model, cfg, vocab = load_model_folder(member)
+        model.to(args.device)
+        cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
+                                       manifest=args.manifest, workers=args.workers)
+        cfg.eval.allow_incomplete = args.allow_incomplete
+        eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+        scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True)
+        if first is None:
+            total, first = scores, embedded
+        elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
+            raise IncompleteSplit(f"{member} read other images or captions than "
+                                  f"{members[0]} from {args.shards}: an ensemble's members "
+                                  "must see the same pairs")
+        else:
+            total += scores
+    metrics = split_metrics(total / len(members), first.sentence_image, cfg.eval.hodosh)
     count = len(set(eval_set.split.urls))
     images = eval_set.images_read
     chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}
-    print(f"evaluated {line} from {count} shard(s)")
+    what = f"an ensemble of {len(members)} models, " if len(members) > 1 else ""
+    print(f"evaluated {what}{line} from {count} shard(s)")
     for direction, name in (("i2t", "image annotation"), ("t2i", "image search")):
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
                            for k in RECALL_AT)
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
-    print(json.dumps({"model": args.model, "shards": args.shards, "split": split, **metrics}))
+    print(json.dumps({"model": args.model, "members": len(members), "shards": args.shards,
+                      "split": split, **metrics}))
 
 
 def _split_of_list(shards: str) -> str:

@@ -30,16 +30,19 @@ def fingerprint(path: Path) -> dict[str, Any]:
 
 
 def write_checksums(folder: Path, **fields: Any) -> None:
-    """Write `folder`'s checksums.json (last): `fields`, and the fingerprint of every file."""
-    files = {p.name: fingerprint(p) for p in sorted(folder.iterdir()) if p.name != CHECKSUMS}
+    """Write `folder`'s checksums.json (last): `fields`, and the fingerprint of every file (not
+    of its subfolders: they hold their own)."""
+    files = {p.name: fingerprint(p) for p in sorted(folder.iterdir())
+             if p.name != CHECKSUMS and p.is_file()}
     (folder / CHECKSUMS).write_text(json.dumps({**fields, "files": files}, indent=2))
 
 
 def verify_checksums(folder: Path, error: type[ValueError], what: str, advice: str = "",
-                     **fields: Any) -> dict[str, Any]:
+                     subfolders: bool = False, **fields: Any) -> dict[str, Any]:
     """`folder`'s checksums.json once it has `fields`, every file it lists is intact, no other file
     is there and no link leads out of the folder; else `error` naming the file (`what` the folder
-    should be), then `advice`."""
+    should be), then `advice`. With `subfolders`, folders may be there too: the caller checks
+    them."""
     def refuse(problem: str) -> ValueError:
         return error(f"{problem}; {advice}" if advice else problem)
 
@@ -68,7 +71,8 @@ def verify_checksums(folder: Path, error: type[ValueError], what: str, advice: s
             raise refuse(f"{path} is missing (incomplete copy)")
         if fingerprint(path) != expected:
             raise refuse(f"{path} does not match its checksum (altered or truncated)")
-    unlisted = sorted({p.name for p in folder.iterdir()} - set(listed) - {CHECKSUMS})
+    present = {p.name for p in folder.iterdir() if not (subfolders and p.is_dir())}
+    unlisted = sorted(present - set(listed) - {CHECKSUMS})
     if unlisted:
         raise refuse(f"{folder}: files not listed in {CHECKSUMS}: {unlisted}")
     return manifest

@@ -9,12 +9,17 @@ pickle, a `torch.save` zip) is refused with a message naming the file.
     python -m trainer.registry download models:/defrag@champion --dst DIR [--tracking-uri URI]
     python -m trainer.registry verify DIR
     python -m trainer.registry register DIR --run-id ID --tracking-uri URI [--name N --alias A]
+    python -m trainer.registry ensemble DIR DIR... --out DIR [--name N --tracking-uri URI]
+
+An ensemble folder holds member model folders (member-0, ...) and `ensemble.json` (each member's
+checksums.json sha256); its image-sentence score is the mean of its members' scores.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import re
 import shlex
@@ -37,12 +42,16 @@ from trainer.tracking import RegistrationFailed, Tracker, connect
 # torch and the model are imported inside the functions that save or build a model, so the
 # download and verify commands start in seconds.
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     import torch
 
     from defrag.vocab import Vocabulary
     from trainer.model import DeFragModel
 
 MODEL_FORMAT = 1
+ENSEMBLE = "ensemble.json"  # an ensemble folder: its member folders, whose scores are averaged
+ENSEMBLE_EXPERIMENT = "defrag-ensembles"  # the MLflow experiment whose runs register ensembles
 WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
 REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
@@ -69,11 +78,7 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
     manifest)."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
+    def fill(staging: Path) -> None:
         # Copies: safetensors refuses tensors that share storage (tied or viewed weights).
         state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
         save_file(state, staging / WEIGHTS, metadata={"format": str(MODEL_FORMAT)})
@@ -81,9 +86,57 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
         vocab.save(staging / VOCAB)
         if metrics is not None:
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        featurizer = featurizer or training_featurizer(config)
-        if featurizer is not None:  # so that new inputs are parsed and boxed alike anywhere
-            (staging / FEATURIZER).write_text(json.dumps(featurizer, indent=2, sort_keys=True))
+        found = featurizer or training_featurizer(config)
+        if found is not None:  # so that new inputs are parsed and boxed alike anywhere
+            (staging / FEATURIZER).write_text(json.dumps(found, indent=2, sort_keys=True))
+
+    return _write_folder(Path(folder), fill)
+
+
+def save_ensemble(folder: str | Path, members: Sequence[str | Path],
+                  metrics: dict[str, Any] | None = None) -> Path:
+    """Write an ensemble folder: a copy of each member model folder (member-0, member-1, ...),
+    `ensemble.json` naming them with their checksums, `checksums.json`. Its image-sentence score
+    is the mean of its members' (as m-CNN and SCAN ensemble), so the members share one
+    `objective.score`."""
+    members = [Path(member) for member in members]
+    if len(members) < 2:
+        raise ModelFolderError(f"an ensemble needs 2 or more member model folders: got "
+                               f"{len(members)}")
+    scores = {}
+    for member in members:
+        verify_model_folder(member)
+        if is_ensemble(member):
+            raise ModelFolderError(f"{member} is an ensemble itself: list its members instead")
+        scores[str(member)] = json.loads((member / CONFIG).read_text())["objective"]["score"]
+    if len(set(scores.values())) > 1:
+        raise ModelFolderError(f"the members score differently ({scores}): a mean of different "
+                               "scores ranks nothing; choose members with one objective.score")
+
+    def fill(staging: Path) -> None:
+        entries = []
+        for number, member in enumerate(members):
+            name = f"member-{number}"
+            shutil.copytree(member, staging / name)
+            entries.append({"folder": name, "source": str(member),
+                            "checksums_sha256": _sha256(member / CHECKSUMS)})
+        (staging / ENSEMBLE).write_text(json.dumps(
+            {"combine": "mean of the members' image-sentence scores", "members": entries},
+            indent=2))
+        if metrics is not None:
+            (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+
+    return _write_folder(Path(folder), fill)
+
+
+def _write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a model folder beside `folder` with `fill`, add its checksums, then rename it over
+    `folder`: a reader never sees a part."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        fill(staging)
         write_checksums(staging, format=MODEL_FORMAT)
         if folder.exists():  # replace an older model: move it aside, move the new one in
             retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
@@ -112,13 +165,31 @@ def training_featurizer(config: Config) -> dict[str, Any] | None:
     return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
 
 
+def is_ensemble(folder: str | Path) -> bool:
+    """Whether `folder` is an ensemble folder (`save_ensemble`), not one model."""
+    return (Path(folder) / ENSEMBLE).is_file()
+
+
+def member_folders(folder: str | Path) -> list[Path]:
+    """The model folders of a verified model folder: its members for an ensemble, else itself."""
+    folder = Path(folder)
+    verify_model_folder(folder)
+    if not is_ensemble(folder):
+        return [folder]
+    return [folder / entry["folder"]
+            for entry in json.loads((folder / ENSEMBLE).read_text())["members"]]
+
+
 def verify_model_folder(folder: str | Path) -> None:
     """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact,
-    with safetensors weights and no link out of it."""
+    with safetensors weights and no link out of it (for an ensemble: each of its members)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: no such model folder")
     advice = "download or export the model again"
+    if is_ensemble(folder):
+        _verify_ensemble(folder, advice)
+        return
     listed = verify_checksums(folder, ModelFolderError, "model folder", advice,
                               format=MODEL_FORMAT)["files"]
     for name in REQUIRED_FILES:
@@ -129,6 +200,33 @@ def verify_model_folder(folder: str | Path) -> None:
         raise ModelFolderError(f"{folder / WEIGHTS} is {what}; model weights are loaded from "
                                "safetensors only, never unpickled: export the model again with "
                                "trainer.registry.save_model_folder")
+
+
+def _verify_ensemble(folder: Path, advice: str) -> None:
+    """An ensemble folder's own files, then each member folder: the one recorded (the sha256
+    of its checksums.json), intact, and no folder that is not a member."""
+    verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
+                     format=MODEL_FORMAT)
+    try:
+        entries = json.loads((folder / ENSEMBLE).read_text())["members"]
+        recorded = {entry["folder"]: entry["checksums_sha256"] for entry in entries}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelFolderError(f"{folder / ENSEMBLE} is malformed ({err!r}); {advice}") from err
+    present = {path.name for path in folder.iterdir() if path.is_dir()}
+    if present != set(recorded) or any(Path(name).name != name for name in recorded):
+        raise ModelFolderError(f"{folder} holds the folders {sorted(present)} but {ENSEMBLE} "
+                               f"lists the members {sorted(recorded)}; {advice}")
+    for name, sha256 in recorded.items():
+        if is_ensemble(folder / name):
+            raise ModelFolderError(f"{folder / name}: an ensemble member is an ensemble; {advice}")
+        verify_model_folder(folder / name)
+        if _sha256(folder / name / CHECKSUMS) != sha256:
+            raise ModelFolderError(f"{folder / name} is not the member {ENSEMBLE} records (other "
+                                   f"checksums); {advice}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _not_safetensors(path: Path) -> str | None:
@@ -156,6 +254,9 @@ def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabula
 
     folder = Path(folder)
     verify_model_folder(folder)
+    if is_ensemble(folder):
+        raise ModelFolderError(f"{folder} is an ensemble of {len(member_folders(folder))} "
+                               "models, not one: load each of registry.member_folders")
     try:
         config = Config.from_dict(json.loads((folder / CONFIG).read_text()))
     except ValueError as err:
@@ -231,6 +332,29 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
                                           run_id=run_id).version
     client.set_registered_model_alias(name, alias, version)
     return str(version)
+
+
+def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | None) -> str:
+    """Register an ensemble folder from a new run of ENSEMBLE_EXPERIMENT (an ensemble is not
+    trained by one run), its members' sources as parameters; returns the version."""
+    if not tracking_uri:
+        raise ValueError(f"--name registers into a tracking store: pass --tracking-uri or set "
+                         f"{MLFLOW_TRACKING_URI.name}")
+    client = connect(tracking_uri)
+    experiment = client.get_experiment_by_name(ENSEMBLE_EXPERIMENT)
+    experiment_id = (experiment.experiment_id if experiment is not None
+                     else client.create_experiment(ENSEMBLE_EXPERIMENT))
+    run_id = client.create_run(experiment_id, run_name=folder.name).info.run_id
+    members = json.loads((folder / ENSEMBLE).read_text())["members"]
+    for entry in members:
+        client.log_param(run_id, entry["folder"], entry["source"])
+    try:
+        version = register_model(client, run_id, folder, name, alias)
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id)
+    return version
 
 
 def _registered_before(client: MlflowClient, run_id: str, folder: str | Path, name: str,
@@ -327,11 +451,27 @@ def main(argv: list[str] | None = None) -> None:
     register.add_argument("--alias", default="champion", help="set to the new version")
     register.add_argument("--artifact-path", default="model", help="where in the run's "
                           "artifacts (it must not hold files yet)")
+    ensemble = commands.add_parser("ensemble", help="one model folder of several trained "
+                                   "models whose scores are averaged; registered under a new run "
+                                   "with --name")
+    ensemble.add_argument("members", nargs="+", type=Path, help="model folders (2 or more)")
+    ensemble.add_argument("--out", required=True, type=Path, help="the ensemble folder")
+    ensemble.add_argument("--name", help="register it as this model (in a new run of the "
+                          f"experiment {ENSEMBLE_EXPERIMENT!r})")
+    ensemble.add_argument("--alias", default="champion", help="set to the new version")
+    ensemble.add_argument("--tracking-uri", help=f"with --name; default: "
+                          f"${MLFLOW_TRACKING_URI.name}")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     with one_line_errors(f"{parser.prog} {args.command}", args.debug):
         if args.command == "download":
             result = download_model(args.uri, args.dst, args.tracking_uri)
+        elif args.command == "ensemble":
+            result = save_ensemble(args.out, args.members)
+            if args.name:
+                version = register_ensemble(args.out, args.name, args.alias,
+                                            args.tracking_uri or MLFLOW_TRACKING_URI.get())
+                result = f"{result}\nmodels:/{args.name}/{version}"
         elif args.command == "register":
             version = register_model(connect(args.tracking_uri), args.run_id, args.folder,
                                      args.name, args.alias, args.artifact_path)

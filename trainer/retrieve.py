@@ -42,6 +42,7 @@ from featurizer.pipeline import Settings
 from trainer.arithmetic import arithmetic_scores, check_encoder, expression, term_vectors
 from trainer.embedder import (
     DEFAULT_BOXES,
+    Embedder,
     RetrievalError,
     embed_images,
     embed_sentences,
@@ -50,6 +51,7 @@ from trainer.embedder import (
 from trainer.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.explain import explain, explain_words
 from trainer.fragment_set import FragmentSet, rank, top_k
+from trainer.registry import member_folders
 from trainer.retrieval_report import format_report
 
 
@@ -66,44 +68,64 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.explain and not (args.query or args.query_image and not arithmetic):
         raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
                              "a --query-image without --minus/--plus")
-    embedder = load_embedder(args.model, args.boxes, args.detector_weights, args.parser)
+    folders = member_folders(args.model)
+    if len(folders) > 1 and (args.explain or arithmetic):
+        raise RetrievalError(f"{args.model} is an ensemble of {len(folders)} models; --explain "
+                             "and --minus/--plus read one model: pass one of its members, e.g. "
+                             f"--model {folders[0]}")
+    members = [load_embedder(folder, args.boxes, args.detector_weights, args.parser)
+               for folder in folders]
+    embedder = members[0]  # the one model, or the ensemble's first member (reports, checks)
     if arithmetic:
         check_encoder(embedder)
-    embedder.model.to(args.device)
+    for member in members:
+        member.model.to(args.device)
     if arithmetic:  # before the indexes: a word outside the vocabulary fails at once
         minus = term_vectors(args.minus, "--minus", embedder, args.device)
         plus = term_vectors(args.plus, "--plus", embedder, args.device)
     index_dir = args.index_dir or (args.images or args.sentences.parent) / CACHE_DIR
-    images = (image_embeddings(args.images, index_dir, embedder, args.device) if args.images
-              else None)
-    sentences, lines = (sentence_embeddings(args.sentences, index_dir, embedder, args.device)
-                        if args.sentences else (None, []))
+    # an ensemble keeps one index per member, in a subfolder named after it
+    index_dirs = [index_dir] if len(folders) == 1 else [index_dir / f.name for f in folders]
+    member_images = [image_embeddings(args.images, where, member, args.device)
+                     for where, member in zip(index_dirs, members, strict=True)
+                     if args.images]
+    member_sentences, lines = [], []  # lines: each sentence's line number in the file
+    for where, member in zip(index_dirs, members, strict=True):
+        if args.sentences:
+            fragments, lines = sentence_embeddings(args.sentences, where, member, args.device)
+            member_sentences.append(fragments)
+    images = member_images[0] if member_images else None
+    sentences = member_sentences[0] if member_sentences else None
     report: dict[str, Any] = {"model": str(args.model), "index_dir": str(index_dir),
                               "images": len(images.items) if images else 0,
                               "sentences": len(sentences.items) if sentences else 0,
                               "queries": []}
+    if len(members) > 1:
+        report["ensemble"] = [str(folder) for folder in folders]
     pairs = []  # (image file, image, sentence) of each query's top result, for --explain
-    smooth, score = embedder.cfg.objective.smooth, embedder.cfg.objective.score
     if args.query:
-        queries = embed_sentences(args.query, embedder, args.device)
-        scores = rank(images, queries, smooth, score)
+        queries = [embed_sentences(args.query, member, args.device) for member in members]
+        scores = ensemble_scores(members, member_images, queries)
         # what the model reads of each: its fragments, or (one row each) its known words
-        unit, sizes = (("words", queries.detail[:, 0]) if embedder.model.sentence.whole_sentence
-                       else ("fragments", queries.counts))
-        for q, text in enumerate(queries.items):
+        unit, sizes = (("words", queries[0].detail[:, 0])
+                       if embedder.model.sentence.whole_sentence
+                       else ("fragments", queries[0].counts))
+        for q, text in enumerate(queries[0].items):
             best = top_k(scores[:, q], args.top_k)
             report["queries"].append({
                 "kind": "sentence", "query": text, unit: int(sizes[q]),
                 "results": [{"rank": r, "score": score, "image": images.items[i]}
                             for r, (i, score) in enumerate(best, 1)]})
             pairs.append((args.images / images.items[best[0][0]], images.select([best[0][0]]),
-                          queries.select([q])))
+                          queries[0].select([q])))
     for path in args.query_image:
         query, _ = embed_images([path], embedder, skip_bad=False, device=args.device)
         if arithmetic:
             report["queries"].append(arithmetic_query(path, query, images, minus, plus, args))
             continue
-        best = top_k(rank(query, sentences, smooth, score)[0], args.top_k)
+        queries = [query] + [embed_images([path], member, skip_bad=False, device=args.device)[0]
+                             for member in members[1:]]
+        best = top_k(ensemble_scores(members, queries, member_sentences)[0], args.top_k)
         report["queries"].append({
             "kind": "image", "query": str(path), "boxes": int(query.counts[0]),
             "results": [{"rank": r, "score": score, "sentence": sentences.items[i],
@@ -121,6 +143,19 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
             report["explain"].update(picture=str(args.explain) if alignment else None,
                                      fragments=alignment)
     return report
+
+
+def ensemble_scores(members: list[Embedder], images: list[FragmentSet],
+                    sentences: list[FragmentSet]) -> torch.Tensor:
+    """Scores [images, sentences]: each member's own (its `objective.score`, as the evaluation
+    scores), averaged over the members of an ensemble (one model: its scores)."""
+    for part in (images, sentences):
+        if any(other.items != part[0].items for other in part[1:]):
+            raise RetrievalError("the ensemble's members read different images or sentences "
+                                 "(other unusable files?): rebuild the index")
+    total = sum(rank(i, s, member.cfg.objective.smooth, member.cfg.objective.score)
+                for member, i, s in zip(members, images, sentences, strict=True))
+    return total / len(members)
 
 
 def arithmetic_query(path: Path, query: FragmentSet, images: FragmentSet, minus: torch.Tensor,
@@ -143,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.retrieve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path,
-                        help="model folder (a run's best/ or a registry download)")
+                        help="model folder (a run's best/ or a registry download), or an "
+                             "ensemble folder: the mean of its members' scores")
     parser.add_argument("--images", type=Path, help="folder of JPEG / PNG images to search")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
     parser.add_argument("--query", action="append", default=[], metavar="SENTENCE",

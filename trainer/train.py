@@ -60,10 +60,14 @@ def learning_rate(epoch: int, cfg: Config) -> float:
 
 
 def epoch_plan(epoch: int, cfg: Config) -> dict[str, int | bool | float]:
-    """What an epoch trains with (paper 3.4): its phase, MIL or not, CNN learning or fixed, lr."""
+    """What an epoch trains with (paper 3.4): its phase, MIL or not, CNN learning or fixed, lr,
+    and eq. 7's negatives (all summed, or each pair's hardest)."""
     phase_two = in_phase_two(epoch, cfg)
+    hardest = (cfg.objective.hardest_negative
+               and epoch >= cfg.objective.hardest_negative_from_epoch)
     return {"phase": 2 if phase_two else 1, "mil": cfg.objective.mil and phase_two,
-            "finetunes_cnn": finetunes_cnn(epoch, cfg), "lr": learning_rate(epoch, cfg)}
+            "finetunes_cnn": finetunes_cnn(epoch, cfg), "lr": learning_rate(epoch, cfg),
+            "hardest_negative": hardest}
 
 
 def describe_plan(plan: dict[str, int | bool | float], cfg: Config) -> str:
@@ -71,7 +75,8 @@ def describe_plan(plan: dict[str, int | bool | float], cfg: Config) -> str:
     objective = "C_F with MIL (eq. 5)" if plan["mil"] else "C_0 (eq. 4)"
     cnn = (f"CNN finetuned (lr x {cfg.optim.cnn_lr_scale:g})" if plan["finetunes_cnn"]
            else "CNN fixed")
-    return f"phase {plan['phase']}: objective {objective}, {cnn}, lr {plan['lr']:g}"
+    negatives = ", hardest negatives (VSE++)" if plan["hardest_negative"] else ""
+    return f"phase {plan['phase']}: objective {objective}, {cnn}, lr {plan['lr']:g}{negatives}"
 
 
 def image_fragments_per_pair(v_box: torch.Tensor, batch: Batch) -> tuple[torch.Tensor,
@@ -117,6 +122,7 @@ class Trainer:
                                        self.ctx.device, self.ctx.world_size)
             self.engine_finetunes = plan["finetunes_cnn"]
         self.loss_fn.mil = plan["mil"]
+        self.loss_fn.hardest_negative = plan["hardest_negative"]
 
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint: the weights, and the optimizer unless the phase changed."""
