@@ -35,7 +35,7 @@ from trainer.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, retrieval_metrics, score_matrix
 from trainer.explain import explain_words
 from trainer.fragment_set import rank
-from trainer.model import DeFragModel
+from trainer.model import DeFragModel, ImageEncoder
 from trainer.objectives import owner_means
 from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
 from trainer.registry import load_model_folder, member_folders, save_ensemble, save_model_folder
@@ -154,18 +154,20 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
 
 
 def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.retrieve and trainer.evaluate on an ensemble folder: the mean of its members'
     score matrices, as each member's evaluation computes them."""
     folder = save_ensemble(tmp_path / "ensemble",
                            [world.model_dir, world.save_model(tmp_path / "seed1", seed=1)])
-    want = 0
+    member_scores = []
     for member in member_folders(folder):
         model, cfg, vocab = load_model_folder(member)
         embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
-        want = want + score_matrix(embedded.v, embedded.box_image, embedded.s,
-                                   embedded.fragment_sentence, embedded.num_images,
-                                   embedded.num_sentences, cfg.objective.smooth) / 2
+        member_scores.append(score_matrix(embedded.v, embedded.box_image, embedded.s,
+                                          embedded.fragment_sentence, embedded.num_images,
+                                          embedded.num_sentences, cfg.objective.smooth))
+    want = (member_scores[0] + member_scores[1]) / 2
 
     report = run(capsys, "--model", folder, "--images", images, "--sentences", world.sentences,
                  "--query", world.captions[6], "--query-image", images / world.names[1],
@@ -189,6 +191,17 @@ def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tm
     assert metrics["members"] == 2
     assert metrics["rsum"] == pytest.approx(
         retrieval_metrics(want, embedded.sentence_image)["rsum"])
+    # Members with one CNN (here the same model twice) run it once: they share its features.
+    twice = save_ensemble(tmp_path / "twice", [world.model_dir, world.model_dir])
+    passes = []
+    region_features = ImageEncoder.region_features
+    monkeypatch.setattr(ImageEncoder, "region_features",
+                        lambda self, *a: passes.append(1) or region_features(self, *a))
+    evaluate.main(["--model", str(twice), "--shards", str(world.shards), "--split", "val",
+                   "--workers", "0"])
+    assert len(passes) == NUM_VAL  # once per image, for the first member only
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["rsum"] == pytest.approx(
+        retrieval_metrics(member_scores[0], embedded.sentence_image)["rsum"])
     with pytest.raises(SystemExit, match="is an ensemble of 2 models; --explain and --minus"):
         retrieve.main(["--model", str(folder), "--images", str(images), "--query", "a circle",
                        "--explain", str(tmp_path / "x.png")])

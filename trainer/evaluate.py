@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -26,7 +27,7 @@ from defrag.cli import add_debug_flag, one_line_errors
 from defrag.shard_format import SHARD_NAME
 from trainer.config import Config
 from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
-from trainer.features import FeatureCache
+from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
@@ -355,6 +356,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     split = args.split or _split_of_list(args.shards)
     members = member_folders(args.model)
     total, first = None, None
+    # members with one CNN share its features (a cache computes them one image at a time: only
+    # an ensemble gains)
+    caches: dict[str, FeatureCache] = {}
     for member in members:
         if len(members) > 1:
             print(f"member {member.name} of {len(members)}", file=sys.stderr)
@@ -364,7 +368,10 @@ def _evaluate(args: argparse.Namespace) -> None:
                                        manifest=args.manifest, workers=args.workers)
         cfg.eval.allow_incomplete = args.allow_incomplete
         eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
-        scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True)
+        cache = (caches.setdefault(cnn_fingerprint(model, cfg), FeatureCache())
+                 if len(members) > 1 else None)
+        scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True,
+                                                cache=cache)
         if first is None:
             total, first = scores, embedded
         elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
@@ -385,6 +392,16 @@ def _evaluate(args: argparse.Namespace) -> None:
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
     print(json.dumps({"model": args.model, "members": len(members), "shards": args.shards,
                       "split": split, **metrics}))
+
+
+def cnn_fingerprint(model: DeFragModel, cfg: Config) -> str:
+    """What a model's box features depend on: its CNN's weights and input settings (members of
+    an ensemble trained with one frozen CNN have the same, and share its features)."""
+    digest = hashlib.sha256(json.dumps(feature_stamp(cfg), sort_keys=True).encode())
+    for name, tensor in sorted(model.image.backbone.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _split_of_list(shards: str) -> str:
