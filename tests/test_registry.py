@@ -31,6 +31,7 @@ from trainer.registry import (
     load_model_folder,
     main,
     member_folders,
+    member_weights,
     register_from_run,
     register_model,
     save_ensemble,
@@ -329,6 +330,7 @@ def test_ensemble_folder_holds_verified_copies_of_its_members(
     assert_same_weights(load_model_folder(members[0])[0], saved[1])
     assert_same_weights(load_model_folder(members[1])[0], load_model_folder(second)[0])
     assert member_folders(saved[0]) == [saved[0]]  # one model: itself
+    assert member_weights(folder) == [0.5, 0.5] and member_weights(saved[0]) == [1.0]
     with pytest.raises(ModelFolderError, match="is an ensemble of 2 models, not one"):
         load_model_folder(folder)
 
@@ -353,13 +355,16 @@ def test_damaged_ensembles_are_refused(ensemble: tuple[Path, Path],
         save_ensemble(folder.with_name("nested"), [folder, saved[0]])
 
 
-def test_ensemble_members_must_share_a_score(saved: tuple[Path, DeFragModel, Config],
+def test_ensemble_members_share_a_score_or_have_weights(saved: tuple[Path, DeFragModel, Config],
                                              tmp_path: Path) -> None:
     model, config = tiny_model(seed=5)
     config.objective.score = "cosine"
     other = save_model_folder(tmp_path / "cosine", model, config, VOCAB_WORDS)
     with pytest.raises(SystemExit, match="ensemble: error: the members score differently"):
         main(["ensemble", str(saved[0]), str(other), "--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match=r"weights \[1.0\]: expected one positive weight per"):
+        main(["ensemble", str(saved[0]), str(other), "--out", str(tmp_path / "e"),
+              "--weights", "1"])
     with pytest.raises(SystemExit, match="needs 2 or more member model folders: got 1"):
         main(["ensemble", str(saved[0]), "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()

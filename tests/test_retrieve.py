@@ -156,18 +156,20 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
 def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """trainer.retrieve and trainer.evaluate on an ensemble folder: the mean of its members'
-    score matrices, as each member's evaluation computes them."""
-    folder = save_ensemble(tmp_path / "ensemble",
-                           [world.model_dir, world.save_model(tmp_path / "seed1", seed=1)])
+    """trainer.retrieve and trainer.evaluate on an ensemble folder: the weighted sum of its
+    members' score matrices, as each member's evaluation computes them (here eq. 6 and cosine
+    scores, so the weights are explicit)."""
+    folder = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir],
+                           weights=[0.25, 0.75])
     member_scores = []
     for member in member_folders(folder):
         model, cfg, vocab = load_model_folder(member)
         embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
         member_scores.append(score_matrix(embedded.v, embedded.box_image, embedded.s,
                                           embedded.fragment_sentence, embedded.num_images,
-                                          embedded.num_sentences, cfg.objective.smooth))
-    want = (member_scores[0] + member_scores[1]) / 2
+                                          embedded.num_sentences, cfg.objective.smooth,
+                                          score=cfg.objective.score))
+    want = 0.25 * member_scores[0] + 0.75 * member_scores[1]
 
     report = run(capsys, "--model", folder, "--images", images, "--sentences", world.sentences,
                  "--query", world.captions[6], "--query-image", images / world.names[1],

@@ -31,7 +31,7 @@ from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
-from trainer.registry import load_model_folder, member_folders
+from trainer.registry import load_model_folder, member_folders, member_weights
 from trainer.shardset import is_folder
 
 RECALL_AT = (1, 5, 10)
@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m trainer.evaluate --model DIR --shards SHARDS`: metrics, last line JSON."""
     parser = argparse.ArgumentParser(prog="trainer.evaluate", description=main.__doc__)
     parser.add_argument("--model", required=True,
-                        help="a registered model folder, or an ensemble folder (the mean of its "
-                             "members' scores; trainer.registry ensemble)")
+                        help="a registered model folder, or an ensemble folder (the weighted sum "
+                             "of its members' scores; trainer.registry ensemble)")
     parser.add_argument("--shards", required=True,
                         help="featurizer output folder or its http(s) URL (with --split), or a "
                              "WebDataset shard list such as 'data/test/shard-{000000..000004}.tar'"
@@ -354,12 +354,12 @@ def _evaluate(args: argparse.Namespace) -> None:
     """The work of `main`: load the model (each member of an ensemble) and the split, evaluate,
     print."""
     split = args.split or _split_of_list(args.shards)
-    members = member_folders(args.model)
+    members, weights = member_folders(args.model), member_weights(args.model)
     total, first = None, None
     # members with one CNN share its features (a cache computes them one image at a time: only
     # an ensemble gains)
     caches: dict[str, FeatureCache] = {}
-    for member in members:
+    for member, weight in zip(members, weights, strict=True):
         if len(members) > 1:
             print(f"member {member.name} of {len(members)}", file=sys.stderr)
         model, cfg, vocab = load_model_folder(member)
@@ -373,14 +373,14 @@ def _evaluate(args: argparse.Namespace) -> None:
         scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True,
                                                 cache=cache)
         if first is None:
-            total, first = scores, embedded
+            total, first = weight * scores, embedded
         elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
             raise IncompleteSplit(f"{member} read other images or captions than "
                                   f"{members[0]} from {args.shards}: an ensemble's members "
                                   "must see the same pairs")
         else:
-            total += scores
-    metrics = split_metrics(total / len(members), first.sentence_image, cfg.eval.hodosh)
+            total += weight * scores
+    metrics = split_metrics(total, first.sentence_image, cfg.eval.hodosh)
     count = len(set(eval_set.split.urls))
     images = eval_set.images_read
     chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}

@@ -9,10 +9,11 @@ pickle, a `torch.save` zip) is refused with a message naming the file.
     python -m trainer.registry download models:/defrag@champion --dst DIR [--tracking-uri URI]
     python -m trainer.registry verify DIR
     python -m trainer.registry register DIR --run-id ID --tracking-uri URI [--name N --alias A]
-    python -m trainer.registry ensemble DIR DIR... --out DIR [--name N --tracking-uri URI]
+    python -m trainer.registry ensemble DIR DIR... --out DIR [--weights W W...] [--name N ...]
 
 An ensemble folder holds member model folders (member-0, ...) and `ensemble.json` (each member's
-checksums.json sha256); its image-sentence score is the mean of its members' scores.
+checksums.json sha256 and weight); its image-sentence score is the weighted sum of its members'
+scores (by default their mean).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from trainer.model import DeFragModel
 
 MODEL_FORMAT = 1
-ENSEMBLE = "ensemble.json"  # an ensemble folder: its member folders, whose scores are averaged
+ENSEMBLE = "ensemble.json"  # an ensemble folder: its members, whose scores are summed weighted
 ENSEMBLE_EXPERIMENT = "defrag-ensembles"  # the MLflow experiment whose runs register ensembles
 WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
@@ -94,11 +95,13 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
 
 
 def save_ensemble(folder: str | Path, members: Sequence[str | Path],
+                  weights: Sequence[float] | None = None,
                   metrics: dict[str, Any] | None = None) -> Path:
     """Write an ensemble folder: a copy of each member model folder (member-0, member-1, ...),
-    `ensemble.json` naming them with their checksums, `checksums.json`. Its image-sentence score
-    is the mean of its members' (as m-CNN and SCAN ensemble), so the members share one
-    `objective.score`."""
+    `ensemble.json` naming them with their checksums and weights, `checksums.json`. Its
+    image-sentence score is the weighted sum of its members' (by default their mean, as m-CNN
+    and SCAN ensemble). Members with different `objective.score`s (e.g. cosine and eq. 6) have
+    different scales: they need `weights`, chosen on a dev split."""
     members = [Path(member) for member in members]
     if len(members) < 2:
         raise ModelFolderError(f"an ensemble needs 2 or more member model folders: got "
@@ -109,20 +112,25 @@ def save_ensemble(folder: str | Path, members: Sequence[str | Path],
         if is_ensemble(member):
             raise ModelFolderError(f"{member} is an ensemble itself: list its members instead")
         scores[str(member)] = json.loads((member / CONFIG).read_text())["objective"]["score"]
-    if len(set(scores.values())) > 1:
-        raise ModelFolderError(f"the members score differently ({scores}): a mean of different "
-                               "scores ranks nothing; choose members with one objective.score")
+    if weights is None and len(set(scores.values())) > 1:
+        raise ModelFolderError(f"the members score differently ({scores}): their scales differ, "
+                               "so a plain mean is meaningless; give each a weight (chosen on "
+                               "dev), or choose members with one objective.score")
+    weights = [1 / len(members)] * len(members) if weights is None else list(weights)
+    if len(weights) != len(members) or not all(w > 0 for w in weights):
+        raise ModelFolderError(f"ensemble weights {weights}: expected one positive weight per "
+                               f"member ({len(members)})")
 
     def fill(staging: Path) -> None:
         entries = []
-        for number, member in enumerate(members):
+        for number, (member, weight) in enumerate(zip(members, weights, strict=True)):
             name = f"member-{number}"
             shutil.copytree(member, staging / name)
-            entries.append({"folder": name, "source": str(member),
+            entries.append({"folder": name, "source": str(member), "weight": weight,
                             "checksums_sha256": _sha256(member / CHECKSUMS)})
         (staging / ENSEMBLE).write_text(json.dumps(
-            {"combine": "mean of the members' image-sentence scores", "members": entries},
-            indent=2))
+            {"combine": "weighted sum of the members' image-sentence scores",
+             "members": entries}, indent=2))
         if metrics is not None:
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
 
@@ -180,6 +188,15 @@ def member_folders(folder: str | Path) -> list[Path]:
             for entry in json.loads((folder / ENSEMBLE).read_text())["members"]]
 
 
+def member_weights(folder: str | Path) -> list[float]:
+    """The weight of each of `member_folders` in the ensemble's score ([1.0] for one model)."""
+    folder = Path(folder)
+    if not is_ensemble(folder):
+        return [1.0]
+    return [float(entry["weight"])
+            for entry in json.loads((folder / ENSEMBLE).read_text())["members"]]
+
+
 def verify_model_folder(folder: str | Path) -> None:
     """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact,
     with safetensors weights and no link out of it (for an ensemble: each of its members)."""
@@ -210,6 +227,8 @@ def _verify_ensemble(folder: Path, advice: str) -> None:
     try:
         entries = json.loads((folder / ENSEMBLE).read_text())["members"]
         recorded = {entry["folder"]: entry["checksums_sha256"] for entry in entries}
+        if not all(float(entry["weight"]) > 0 for entry in entries):
+            raise ValueError("a weight is not positive")
     except (ValueError, KeyError, TypeError) as err:
         raise ModelFolderError(f"{folder / ENSEMBLE} is malformed ({err!r}); {advice}") from err
     present = {path.name for path in folder.iterdir() if path.is_dir()}
@@ -456,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
                                    "with --name")
     ensemble.add_argument("members", nargs="+", type=Path, help="model folders (2 or more)")
     ensemble.add_argument("--out", required=True, type=Path, help="the ensemble folder")
+    ensemble.add_argument("--weights", type=float, nargs="+", help="one per member (default: "
+                          "equal); needed when the members' objective.score differ")
     ensemble.add_argument("--name", help="register it as this model (in a new run of the "
                           f"experiment {ENSEMBLE_EXPERIMENT!r})")
     ensemble.add_argument("--alias", default="champion", help="set to the new version")
@@ -467,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "download":
             result = download_model(args.uri, args.dst, args.tracking_uri)
         elif args.command == "ensemble":
-            result = save_ensemble(args.out, args.members)
+            result = save_ensemble(args.out, args.members, args.weights)
             if args.name:
                 version = register_ensemble(args.out, args.name, args.alias,
                                             args.tracking_uri or MLFLOW_TRACKING_URI.get())

@@ -51,7 +51,7 @@ from trainer.embedder import (
 from trainer.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.explain import explain, explain_words
 from trainer.fragment_set import FragmentSet, rank, top_k
-from trainer.registry import member_folders
+from trainer.registry import member_folders, member_weights
 from trainer.retrieval_report import format_report
 
 
@@ -68,7 +68,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.explain and not (args.query or args.query_image and not arithmetic):
         raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
                              "a --query-image without --minus/--plus")
-    folders = member_folders(args.model)
+    folders, weights = member_folders(args.model), member_weights(args.model)
     if len(folders) > 1 and (args.explain or arithmetic):
         raise RetrievalError(f"{args.model} is an ensemble of {len(folders)} models; --explain "
                              "and --minus/--plus read one model: pass one of its members, e.g. "
@@ -105,7 +105,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     pairs = []  # (image file, image, sentence) of each query's top result, for --explain
     if args.query:
         queries = [embed_sentences(args.query, member, args.device) for member in members]
-        scores = ensemble_scores(members, member_images, queries)
+        scores = ensemble_scores(members, weights, member_images, queries)
         # what the model reads of each: its fragments, or (one row each) its known words
         unit, sizes = (("words", queries[0].detail[:, 0])
                        if embedder.model.sentence.whole_sentence
@@ -125,7 +125,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
             continue
         queries = [query] + [embed_images([path], member, skip_bad=False, device=args.device)[0]
                              for member in members[1:]]
-        best = top_k(ensemble_scores(members, queries, member_sentences)[0], args.top_k)
+        best = top_k(ensemble_scores(members, weights, queries, member_sentences)[0], args.top_k)
         report["queries"].append({
             "kind": "image", "query": str(path), "boxes": int(query.counts[0]),
             "results": [{"rank": r, "score": score, "sentence": sentences.items[i],
@@ -145,17 +145,16 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def ensemble_scores(members: list[Embedder], images: list[FragmentSet],
+def ensemble_scores(members: list[Embedder], weights: list[float], images: list[FragmentSet],
                     sentences: list[FragmentSet]) -> torch.Tensor:
     """Scores [images, sentences]: each member's own (its `objective.score`, as the evaluation
-    scores), averaged over the members of an ensemble (one model: its scores)."""
+    scores), summed with the ensemble's weights (one model: its scores)."""
     for part in (images, sentences):
         if any(other.items != part[0].items for other in part[1:]):
             raise RetrievalError("the ensemble's members read different images or sentences "
                                  "(other unusable files?): rebuild the index")
-    total = sum(rank(i, s, member.cfg.objective.smooth, member.cfg.objective.score)
-                for member, i, s in zip(members, images, sentences, strict=True))
-    return total / len(members)
+    return sum(weight * rank(i, s, member.cfg.objective.smooth, member.cfg.objective.score)
+               for weight, member, i, s in zip(weights, members, images, sentences, strict=True))
 
 
 def arithmetic_query(path: Path, query: FragmentSet, images: FragmentSet, minus: torch.Tensor,
@@ -179,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path,
                         help="model folder (a run's best/ or a registry download), or an "
-                             "ensemble folder: the mean of its members' scores")
+                             "ensemble folder: the weighted sum of its members' scores")
     parser.add_argument("--images", type=Path, help="folder of JPEG / PNG images to search")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
     parser.add_argument("--query", action="append", default=[], metavar="SENTENCE",
