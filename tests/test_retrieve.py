@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from safetensors.torch import load_file
 
 import trainer.embedder as embedder
 import trainer.evaluate as evaluate
@@ -186,7 +187,10 @@ def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tm
     assert sorted(p.name for p in (images / CACHE_DIR).iterdir()) == ["member-0", "member-1"]
 
     evaluate.main(["--model", str(folder), "--shards", str(world.shards), "--split", "val",
-                   "--workers", "0"])
+                   "--workers", "0", "--save-scores", str(tmp_path / "scores.safetensors")])
+    saved = load_file(tmp_path / "scores.safetensors")
+    torch.testing.assert_close(saved["scores"], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(saved["sentence_image"], embedded.sentence_image)
     printed = capsys.readouterr().out
     assert "evaluated an ensemble of 2 models, " in printed
     metrics = json.loads(printed.splitlines()[-1])

@@ -16,11 +16,13 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import webdataset as wds
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
@@ -343,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="loader processes")
     parser.add_argument("--allow-incomplete", action="store_true",
                         help="evaluate even when usable images differ from the manifest's count")
+    parser.add_argument("--save-scores", type=Path, metavar="FILE.safetensors",
+                        help="also write the score matrix [images, sentences] and each "
+                             "sentence's image row (e.g. to choose ensemble weights)")
     parser.add_argument("--device", default="cpu")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
@@ -381,6 +386,9 @@ def _evaluate(args: argparse.Namespace) -> None:
         else:
             total += weight * scores
     metrics = split_metrics(total, first.sentence_image, cfg.eval.hodosh)
+    if args.save_scores:
+        save_file({"scores": total.contiguous(), "sentence_image": first.sentence_image},
+                  args.save_scores)
     count = len(set(eval_set.split.urls))
     images = eval_set.images_read
     chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}
