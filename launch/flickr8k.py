@@ -31,6 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
+from trainer.evaluate import retrieval_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CONFIG = "launch/configs/flickr8k.yaml"
@@ -41,6 +46,7 @@ WORD2VEC = "data/flickr8k-wordvecs/word2vec-200.txt"
 WORD2VEC_300 = "data/flickr8k-wordvecs/word2vec-300.txt"  # Kiros et al.'s K = 300
 WORD_VECTORS = {WORD2VEC: 200, WORD2VEC_300: 300}  # file -> size
 RUNS = Path("runs/table2")
+DEV_SCORES = "dev-scores.safetensors"  # a row's dev score matrix (to choose ensemble weights)
 
 
 def featurize_command(out: str, boxes: str) -> list[str]:
@@ -75,6 +81,20 @@ SOCHER = ["objective.score=inner", "objective.margin=1.0", f"model.word_vectors=
           "optim.optimizer=adam", "optim.lr=0.0002", "optim.weight_decay=0.0001",
           "optim.batch_size=100", "optim.epochs=12", "optim.anneal_last_epochs=2"]
 TWELVE_EPOCHS = ["optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
+# The Flickr8k quality rows (docs/results.md): VSE++'s recipe (Faghri et al.) on the same cached
+# whole-image features: trained word vectors, Adam 2e-4, 128 pairs, 15 epochs with the lr x 0.1
+# for the last 4, each pair's hardest negatives after 2 epochs of summed hinges.
+VSEPP = ["model.train_word_vectors=true", "optim.optimizer=adam", "optim.lr=0.0002",
+         "optim.batch_size=128", "optim.epochs=15", "optim.anneal_last_epochs=4",
+         "objective.hardest_negative=true", "objective.hardest_negative_from_epoch=2"]
+GRU = ["model.sentence_encoder=gru", "model.embed_dim=1024", *VSEPP]
+# DeFrag's fragment model on the whole image (one image fragment, triplet sentence fragments,
+# eq. 6 scores, C_F + C_G with MIL after 8 epochs): the fragments fused with the global models.
+FRAGMENTS = ["model.sentence_encoder=fragments", "model.embed_dim=1000", "model.word_dim=200",
+             "model.train_word_vectors=true", "objective.score=eq6", "objective.margin=1.0",
+             "objective.use_fragment=true", "objective.mil=true", "optim.momentum=0.9",
+             "optim.weight_decay=0.0001", "optim.lr=0.01", "optim.batch_size=100",
+             "optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
 
 
 @dataclass
@@ -148,7 +168,43 @@ ROWS = {
     "sdtrnn": Row("Socher et al.: SDT-RNN", ["model.sentence_encoder=sdtrnn", *SOCHER],
                   paper=(6.0, 22.7, 34.0, 23, 6.6, 21.6, 31.7, 25), config=WHOLE_CONFIG,
                   shards=WHOLE_SHARDS),
+    "gru": Row("VSE++-style GRU (1024-d, random word vectors)", GRU, config=WHOLE_CONFIG,
+               shards=WHOLE_SHARDS),
+    "gru_w2v": Row("VSE++-style GRU (1024-d, word2vec-initialised word vectors)",
+                   [*GRU, f"model.word_vectors={WORD2VEC_300}"], config=WHOLE_CONFIG,
+                   shards=WHOLE_SHARDS),
+    "linear_vsepp": Row("Kiros et al.'s linear encoder, VSE++-style training (random word "
+                        "vectors)", ["model.sentence_encoder=linear", *VSEPP],
+                        config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
+    "fragments_whole": Row("DeFrag fragments (triplets, eq. 6, C_F + C_G, MIL), whole image",
+                           FRAGMENTS, config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
 }
+
+
+@dataclass
+class Ensemble:
+    """Rows' best models scored together (trainer.registry ensemble): the mean of the members'
+    scores, plus a `fused` row's scores (another score, e.g. eq. 6) with a weight chosen on dev."""
+
+    title: str
+    members: list[str]
+    fused: str | None = None
+    register_name: str | None = None  # default: defrag-flickr8k-<name>
+
+
+QUALITY_ROWS = ["kiros_lstm_tuned", "kiros_linear_tuned", "gru", "gru_w2v", "linear_vsepp",
+                "fragments_whole"]
+GLOBAL_MEMBERS = ["gru", "gru_w2v", "kiros_lstm_tuned", "kiros_linear_tuned", "linear_vsepp"]
+ENSEMBLES = {
+    # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
+    "ensemble": Ensemble("Ensemble: the 5 global models above (mean score)", GLOBAL_MEMBERS,
+                         register_name="defrag-flickr8k"),
+    "ensemble_fragments": Ensemble("Ensemble + DeFrag fragments (eq. 6, weight chosen on dev)",
+                                   GLOBAL_MEMBERS, fused="fragments_whole"),
+    "gru_fragments": Ensemble("VSE++-style GRU + DeFrag fragments (eq. 6, weight chosen on "
+                              "dev)", ["gru"], fused="fragments_whole"),
+}
+FUSION_WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5)  # x std(global) / std(fused) scores
 METRICS = ("i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr")
 
 
@@ -183,13 +239,76 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
     train_s = run([str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.main",
                    "--config", row.config, "--resume", "latest", f"run.run_dir={run_dir}",
                    *row.overrides, *register_as(name)], ROOT / run_dir / "train.log")
-    evaluate = [str(BIN / "python"), "-m", "trainer.evaluate", "--model", str(run_dir / "best"),
-                "--shards", row.shards, "--split", "dev"]
-    out = subprocess.run(evaluate, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    out = evaluate_on_dev(run_dir / "best", row.shards, run_dir / DEV_SCORES)
     history = [json.loads(line) for line in (ROOT / run_dir / "history.jsonl").open()]
     results[name] = {"title": row.title, "config": row.config, "overrides": row.overrides,
                      "train_wall_s": round(train_s), "dev": json.loads(out.splitlines()[-1]),
                      "epochs": history}
+    print(out)
+
+
+def evaluate_on_dev(model: Path, shards: str, scores: Path) -> str:
+    """`trainer.evaluate` of a model (or ensemble) folder on dev: its output, the last line JSON;
+    the score matrix saved to `scores`."""
+    evaluate = [str(BIN / "python"), "-m", "trainer.evaluate", "--model", str(model),
+                "--shards", shards, "--split", "dev", "--save-scores", str(scores)]
+    return subprocess.run(evaluate, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+
+
+def dev_scores(name: str) -> dict[str, torch.Tensor]:
+    """A trained row's dev score matrix and sentence rows (evaluated again if not saved)."""
+    path = ROOT / RUNS / name / DEV_SCORES
+    if not path.is_file():
+        evaluate_on_dev(RUNS / name / "best", ROWS[name].shards, path)
+    return load_file(path)
+
+
+def fusion_weight(ensemble: Ensemble) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The fused row's weight that maximises dev rsum (FUSION_WEIGHTS, in units of the global
+    scores' spread over the fused scores'), the rsum of each candidate, the best's metrics."""
+    members = [dev_scores(name) for name in ensemble.members]
+    mean = sum(m["scores"] for m in members) / len(members)
+    fused = dev_scores(ensemble.fused)["scores"]
+    scale = float(mean.std() / fused.std())
+    rsums = {f"{w:g}": retrieval_metrics(mean + w * scale * fused,
+                                         members[0]["sentence_image"])["rsum"]
+             for w in FUSION_WEIGHTS}
+    best = max(FUSION_WEIGHTS, key=lambda w: rsums[f"{w:g}"])
+    metrics = retrieval_metrics(mean + best * scale * fused, members[0]["sentence_image"])
+    return best * scale * len(members), rsums, metrics  # beside members of weight 1 each
+
+
+def build_ensemble(name: str, ensemble: Ensemble, results: dict) -> None:
+    """Score the members' best models together: the ensemble folder (registered), its dev
+    figures; with a fused row, its weight is chosen on dev first."""
+    rows = [*ensemble.members, *([ensemble.fused] if ensemble.fused else [])]
+    missing = [row for row in rows if row not in results]
+    if missing:
+        raise SystemExit(f"ensemble {name}: run the rows {missing} first")
+    folder = RUNS / name / "model"
+    if name in results and (ROOT / folder).is_dir():
+        print(f"{name}: done already ({folder}); delete it to run again")
+        return
+    weights = [1.0] * len(ensemble.members)
+    entry = {"title": ensemble.title, "members": rows,
+             "train_wall_s": sum(results[row]["train_wall_s"] for row in rows)}
+    if ensemble.fused:
+        weight, entry["fusion_rsum"], metrics = fusion_weight(ensemble)
+        if weight == 0:  # the fused row adds nothing on dev: no model to build
+            print(f"{name}: the fused row does not help on dev: {entry['fusion_rsum']}")
+            results[name] = {**entry, "weights": [*weights, 0.0], "dev": metrics}
+            return
+        weights.append(weight)
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    register_name = ensemble.register_name or f"defrag-flickr8k-{name}"
+    run([str(BIN / "python"), "-m", "trainer.registry", "ensemble",
+         *(str(RUNS / row / "best") for row in rows), "--weights", *map(str, weights),
+         "--out", str(folder), "--name", register_name, "--tracking-uri",
+         f"sqlite:///{RUNS / name / 'mlflow.db'}"])
+    out = evaluate_on_dev(folder, ROWS[rows[0]].shards, RUNS / name / DEV_SCORES)
+    results[name] = {**entry, "weights": weights, "registered": f"models:/{register_name}"
+                     "@champion", "dev": json.loads(out.splitlines()[-1])}
     print(out)
 
 
@@ -215,26 +334,33 @@ def table(results: dict, config: str = CONFIG) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rows", nargs="*", help=f"rows to run (default: all): {', '.join(ROWS)}")
+    parser.add_argument("rows", nargs="*", help=f"rows and ensembles to run (default: all): "
+                        f"{', '.join([*ROWS, *ENSEMBLES])}")
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
     args = parser.parse_args()
     if args.list:
         for name, row in ROWS.items():
             print(f"{name:10} {' '.join(row.overrides)}")
+        for name, ensemble in ENSEMBLES.items():
+            print(f"{name:10} ensemble of {' '.join(ensemble.members)}"
+                  + (f" + {ensemble.fused} (weight chosen on dev)" if ensemble.fused else ""))
         return
-    unknown = set(args.rows) - set(ROWS)
+    unknown = set(args.rows) - set(ROWS) - set(ENSEMBLES)
     if unknown:
-        parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join(ROWS)}")
+        parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join([*ROWS, *ENSEMBLES])}")
     os.chdir(ROOT)
     results_file = RUNS / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-    names = args.rows or list(ROWS)
-    for shards in dict.fromkeys(ROWS[name].shards for name in names):
+    names = args.rows or [*ROWS, *ENSEMBLES]
+    for shards in dict.fromkeys(ROWS[name].shards for name in names if name in ROWS):
         key, command = FEATURIZE[shards]
         if not (Path(shards) / "manifest.json").is_file() or key not in results:
             results[key] = round(run(command))
     for name in names:
-        train_and_evaluate(name, ROWS[name], results)
+        if name in ROWS:
+            train_and_evaluate(name, ROWS[name], results)
+        else:
+            build_ensemble(name, ENSEMBLES[name], results)
         # Re-read before writing: another instance may be running other rows at the same time.
         merged = json.loads(results_file.read_text()) if results_file.is_file() else {}
         results = {**merged, **{k: v for k, v in results.items() if k == name or k not in merged}}
@@ -243,10 +369,29 @@ def main() -> None:
     print(tables(results))
 
 
+def quality_table(results: dict) -> str:
+    """Markdown: the Flickr8k quality rows and ensembles on dev, with their training time."""
+    head = ("| Model | image annotation R@1 / R@5 / R@10, med r | image search R@1 / R@5 / "
+            "R@10, med r | rsum | train wall |\n|---|---|---|---|---|\n")
+    lines = []
+    for name in [*QUALITY_ROWS, *ENSEMBLES]:
+        if name not in results:
+            continue
+        dev = results[name]["dev"]
+        ours = [f"{dev[k]:.1f}" if "medr" not in k else f"{dev[k]:.0f}" for k in METRICS]
+        minutes = results[name]["train_wall_s"] / 60
+        title = results[name]["title"]
+        lines.append(f"| {title} | {' / '.join(ours[:3])}, {ours[3]} | "
+                     f"{' / '.join(ours[4:7])}, {ours[7]} | {dev['rsum']:.1f} | "
+                     f"{minutes:.0f} min |")
+    return head + "\n".join(lines) + "\n"
+
+
 def tables(results: dict) -> str:
-    """results.md: the Table 2 rows, then the comparison systems' rows."""
+    """results.md: the Table 2 rows, the comparison systems' rows, the quality rows."""
     return (f"## Table 2\n\n{table(results)}\n"
-            f"## The comparison systems\n\n{table(results, WHOLE_CONFIG)}")
+            f"## The comparison systems\n\n{table(results, WHOLE_CONFIG)}\n"
+            f"## Flickr8k quality\n\n{quality_table(results)}")
 
 
 if __name__ == "__main__":
