@@ -213,6 +213,17 @@ def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tm
                        "--explain", str(tmp_path / "x.png")])
 
 
+def test_evaluate_warns_when_the_shards_have_other_boxes(world: World, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    model = DeFragModel.from_config(world.cfg.model, world.vocab, seed=0)
+    folder = save_model_folder(tmp_path / "regions", model, world.cfg, world.vocab, featurizer={
+        "box_source": {"name": "selective_search", "options": {}}})
+    evaluate.main(["--model", str(folder), "--shards", str(world.shards), "--split", "val",
+                   "--workers", "0"])
+    assert ("was trained on 'selective_search' boxes but these shards have 'fullframe' boxes; "
+            "featurize them with --boxes selective_search") in capsys.readouterr().err
+
+
 def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture) -> None:
     given = make_box_source("given", max_boxes=5).describe()
     assert rebuild_box_source(given).max_boxes == 5  # description entries that are no option

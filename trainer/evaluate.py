@@ -33,8 +33,8 @@ from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
-from trainer.registry import load_model_folder, member_folders, member_weights
-from trainer.shardset import is_folder
+from trainer.registry import FEATURIZER, load_model_folder, member_folders, member_weights
+from trainer.shardset import is_folder, training_manifest
 
 RECALL_AT = (1, 5, 10)
 
@@ -373,6 +373,7 @@ def _evaluate(args: argparse.Namespace) -> None:
                                        manifest=args.manifest, workers=args.workers)
         cfg.eval.allow_incomplete = args.allow_incomplete
         eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+        _warn_other_boxes(member, cfg)
         cache = (caches.setdefault(cnn_fingerprint(model, cfg), FeatureCache())
                  if len(members) > 1 else None)
         scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True,
@@ -400,6 +401,18 @@ def _evaluate(args: argparse.Namespace) -> None:
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
     print(json.dumps({"model": args.model, "members": len(members), "shards": args.shards,
                       "split": split, **metrics}))
+
+
+def _warn_other_boxes(model_dir: Path, cfg: Config) -> None:
+    """Say so when the shards' boxes come from another source than the model's training boxes
+    (e.g. region shards for a whole-image model): its figures then measure other inputs."""
+    saved = model_dir / FEATURIZER
+    trained = json.loads(saved.read_text()).get("box_source") if saved.is_file() else None
+    boxes = training_manifest(cfg.data).get("box_source")
+    if trained and boxes and trained["name"] != boxes["name"]:
+        print(f"warning: {model_dir} was trained on {trained['name']!r} boxes but these shards "
+              f"have {boxes['name']!r} boxes; featurize them with --boxes {trained['name']} "
+              "to measure the model on the inputs it was trained on", file=sys.stderr)
 
 
 def cnn_fingerprint(model: DeFragModel, cfg: Config) -> str:
