@@ -210,6 +210,11 @@ def test_registering_the_same_files_again_reuses_their_version(
     assert str(tracker.client.get_model_version_by_alias("defrag", "again").version) == "1"
     assert len(tracker.client.search_model_versions("name = 'defrag'")) == 2
     tracker.client.delete_registered_model_alias("defrag", "again")  # the store is shared
+    # under another name: a version of that name, from the artifacts logged already
+    assert register_model(tracker.client, tracker.run_id, saved[0], name="renamed") == "1"
+    assert tracker.client.get_model_version("renamed", "1").source.endswith("/model")
+    assert len(tracker.client.search_model_versions("name = 'defrag'")) == 2
+    tracker.client.delete_registered_model("renamed")
 
 
 @pytest.mark.parametrize("uri", ["models:/defrag@champion", "models:/defrag/2", "models:/defrag/1"])

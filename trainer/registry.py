@@ -330,16 +330,19 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
                    alias: str = "champion", artifact_path: str = "model") -> str:
     """Log `folder` as the run's `artifact_path` artifacts, register it as a new version of
     `name` and point `alias` at it; returns the version. The same files registered again from
-    the same run (a finished run resumed, a job requeued after registering) reuse their version."""
+    the same run (a finished run resumed, a job requeued after registering) reuse their version,
+    or their logged artifacts under another `name`."""
     verify_model_folder(folder)
-    if client.list_artifacts(run_id, artifact_path):
-        version = _registered_before(client, run_id, folder, name, artifact_path)
-        if version is None:
-            raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
-                             "new version must not share (and overwrite) an older version's")
-        client.set_registered_model_alias(name, alias, version)
-        return version
-    client.log_artifacts(run_id, str(folder), artifact_path)
+    if not client.list_artifacts(run_id, artifact_path):
+        client.log_artifacts(run_id, str(folder), artifact_path)
+    elif not _logged_already(client, run_id, folder, artifact_path):
+        raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
+                         "new version must not share (and overwrite) an older version's")
+    else:  # these files, logged before: their version of `name`, or a new one of them
+        version = _registered_before(client, run_id, name, artifact_path)
+        if version is not None:
+            client.set_registered_model_alias(name, alias, version)
+            return version
     try:
         client.get_registered_model(name)
     except MlflowException as err:
@@ -376,15 +379,24 @@ def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | N
     return version
 
 
-def _registered_before(client: MlflowClient, run_id: str, folder: str | Path, name: str,
-                       artifact_path: str) -> str | None:
-    """The version of `name` registered from the run's `artifact_path`, if those artifacts are
-    `folder`'s files (the same checksums.json); else None."""
+def _logged_already(client: MlflowClient, run_id: str, folder: str | Path,
+                    artifact_path: str) -> bool:
+    """Whether the run's `artifact_path` artifacts are `folder`'s files (same checksums.json)."""
     with tempfile.TemporaryDirectory() as tmp:
         logged = Path(client.download_artifacts(run_id, f"{artifact_path}/{CHECKSUMS}", tmp))
-        if logged.read_bytes() != (Path(folder) / CHECKSUMS).read_bytes():
-            return None
-    versions = [v for v in client.search_model_versions(f"name = '{name}'")
+        return logged.read_bytes() == (Path(folder) / CHECKSUMS).read_bytes()
+
+
+def _registered_before(client: MlflowClient, run_id: str, name: str,
+                       artifact_path: str) -> str | None:
+    """The newest version of `name` registered from the run's `artifact_path`, if any."""
+    try:
+        found = client.search_model_versions(f"name = '{name}'")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        found = []
+    versions = [v for v in found
                 if v.run_id == run_id and v.source.rstrip("/").endswith(f"/{artifact_path}")]
     return str(max(int(v.version) for v in versions)) if versions else None
 
