@@ -170,6 +170,9 @@ ROWS = {
     # by 7-8 rsum over their first 4 epochs (161.7 against 169.8; runs/q15/gru_rand).
     "gru": Row("VSE++-style GRU (1024-d), tuned", GRU, config=WHOLE_CONFIG,
                shards=WHOLE_SHARDS),
+    "gru_random": Row("VSE++-style GRU (1024-d), tuned, random word vectors",
+                      [o for o in GRU if not o.startswith("model.word_vectors=")],
+                      config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
     # VSE++'s hardest negatives (after 2 epochs, 15 epochs) left this encoder at rsum 192.0:
     # it keeps the summed hinges of the tuned row, from random word vectors.
     "linear_random": Row("Kiros et al.'s linear encoder, tuned, random word vectors",
@@ -192,7 +195,7 @@ class Ensemble:
     register_name: str | None = None  # default: defrag-flickr8k-<name>
 
 
-QUALITY_ROWS = ["kiros_lstm_tuned", "kiros_linear_tuned", "gru", "linear_random",
+QUALITY_ROWS = ["kiros_lstm_tuned", "kiros_linear_tuned", "gru", "gru_random", "linear_random",
                 "fragments_whole"]
 GLOBAL_MEMBERS = ["gru", "kiros_lstm_tuned", "kiros_linear_tuned", "linear_random"]
 ENSEMBLES = {
