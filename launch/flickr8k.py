@@ -354,7 +354,11 @@ def main() -> None:
     os.chdir(ROOT)
     results_file = RUNS / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-    names = args.rows or [*ROWS, *ENSEMBLES]
+    # an ensemble's member rows run (or are found done) before it
+    names = list(dict.fromkeys(
+        item for name in args.rows or [*ROWS, *ENSEMBLES]
+        for item in ([*ENSEMBLES[name].members, *filter(None, [ENSEMBLES[name].fused]), name]
+                     if name in ENSEMBLES else [name])))
     for shards in dict.fromkeys(ROWS[name].shards for name in names if name in ROWS):
         key, command = FEATURIZE[shards]
         if not (Path(shards) / "manifest.json").is_file() or key not in results:
