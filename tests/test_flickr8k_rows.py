@@ -1,4 +1,5 @@
-"""launch/flickr8k.py: every Table 2 row is a valid config, and the table shows what it ran."""
+"""launch/flickr8k.py: every row is a valid config, every ensemble can be scored, and the tables
+show what ran."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_table_lists_our_figures_beside_the_papers() -> None:
     row = table.splitlines()[-1]
     assert row.startswith("| Our model († + MIL) | 1.0 / 2.0 / 3.0, 4 | 5.0 / 6.0 / 7.0, 8 |")
     assert "12.6 / 32.9 / 44, 14" in row and row.endswith("| 10 min |")
+
+
+@pytest.mark.parametrize("name", list(flickr8k.ENSEMBLES))
+def test_every_ensemble_is_made_of_rows_that_can_be_averaged(name: str) -> None:
+    """The members' mean is meaningful only for one score; a fused row gets a weight on dev."""
+    ensemble = flickr8k.ENSEMBLES[name]
+    configs = {row: Config.load(ROOT / flickr8k.ROWS[row].config, flickr8k.ROWS[row].overrides)
+               for row in [*ensemble.members, *filter(None, [ensemble.fused])]}
+    assert len({configs[row].objective.score for row in ensemble.members}) == 1
+    assert len({flickr8k.ROWS[row].shards for row in configs}) == 1  # one eval split for all
+    if ensemble.fused:
+        assert configs[ensemble.fused].objective.score == "eq6"
+    pushed = [n for n, e in flickr8k.ENSEMBLES.items() if e.register_name == "defrag-flickr8k"]
+    assert len(pushed) == 1  # one name a user can find
+
+
+def test_quality_table_lists_rows_and_ensembles() -> None:
+    dev = {**{k: float(i + 1) for i, k in enumerate(flickr8k.METRICS)}, "rsum": 42.0}
+    table = flickr8k.quality_table({
+        "gru": {"title": "GRU", "dev": dev, "train_wall_s": 600},
+        "ensemble": {"title": "Ensemble", "dev": dev, "train_wall_s": 1200}})
+    assert table.splitlines()[-2:] == [
+        "| GRU | 1.0 / 2.0 / 3.0, 4 | 5.0 / 6.0 / 7.0, 8 | 42.0 | 10 min |",
+        "| Ensemble | 1.0 / 2.0 / 3.0, 4 | 5.0 / 6.0 / 7.0, 8 | 42.0 | 20 min |"]
