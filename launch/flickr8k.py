@@ -197,9 +197,12 @@ class Ensemble:
 
 QUALITY_ROWS = ["kiros_lstm_tuned", "kiros_linear_tuned", "gru", "gru_random", "linear_random",
                 "fragments_whole"]
-GLOBAL_MEMBERS = ["gru", "kiros_lstm_tuned", "kiros_linear_tuned", "linear_random"]
+# Chosen on dev from the rows' saved score matrices (docs/results.md): adding the GRU to these
+# three moved the ensemble by -1.7 rsum (+0.4 with the fragments fused).
+GLOBAL_MEMBERS = ["kiros_lstm_tuned", "kiros_linear_tuned", "linear_random"]
 ENSEMBLES = {
-    "ensemble": Ensemble("Ensemble: the 4 global models above (mean score)", GLOBAL_MEMBERS),
+    "ensemble": Ensemble("Ensemble: Kiros LSTM + linear, tuned + linear, random word vectors "
+                         "(mean score)", GLOBAL_MEMBERS),
     # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
     "ensemble_fragments": Ensemble("Ensemble + DeFrag fragments (eq. 6, weight chosen on dev)",
                                    GLOBAL_MEMBERS, fused="fragments_whole",
