@@ -377,9 +377,12 @@ def test_ensemble_members_share_a_score_or_have_weights(saved: tuple[Path, DeFra
 
 def test_ensemble_is_registered_and_downloaded_whole(ensemble: tuple[Path, Path],
                                                      tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture) -> None:
+                                                     capsys: pytest.CaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     folder, _ = ensemble
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    (tmp_path / "store").mkdir()
+    monkeypatch.chdir(tmp_path / "store")  # nothing may land in the working folder
     main(["ensemble", *map(str, member_folders(folder)), "--out", str(tmp_path / "again"),
           "--name", "defrag-ensemble", "--tracking-uri", uri])
     assert capsys.readouterr().out.split()[-1] == "models:/defrag-ensemble/1"
@@ -387,3 +390,4 @@ def test_ensemble_is_registered_and_downloaded_whole(ensemble: tuple[Path, Path]
     assert [m.name for m in member_folders(dst)] == ["member-0", "member-1"]
     for got, want in zip(member_folders(dst), member_folders(folder), strict=True):
         assert (got / CHECKSUMS).read_bytes() == (want / CHECKSUMS).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["mlartifacts", "mlflow.db"]

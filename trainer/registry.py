@@ -38,7 +38,7 @@ from mlflow.exceptions import MlflowException
 from defrag.cli import add_debug_flag, one_line_errors
 from trainer.config import Config, ModelConfig
 from trainer.files import CHECKSUMS, verify_checksums, write_checksums
-from trainer.tracking import RegistrationFailed, Tracker, connect
+from trainer.tracking import RegistrationFailed, Tracker, connect, experiment_id
 
 # torch and the model are imported inside the functions that save or build a model, so the
 # download and verify commands start in seconds.
@@ -363,10 +363,13 @@ def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | N
         raise ValueError(f"--name registers into a tracking store: pass --tracking-uri or set "
                          f"{MLFLOW_TRACKING_URI.name}")
     client = connect(tracking_uri)
-    experiment = client.get_experiment_by_name(ENSEMBLE_EXPERIMENT)
-    experiment_id = (experiment.experiment_id if experiment is not None
-                     else client.create_experiment(ENSEMBLE_EXPERIMENT))
-    run_id = client.create_run(experiment_id, run_name=folder.name).info.run_id
+    # a sqlite store keeps the artifacts beside it, as a run's embedded store (MLflow's default
+    # would be ./mlruns of wherever the command runs)
+    artifacts = (Path(tracking_uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts"
+                 if tracking_uri.startswith("sqlite:///") else None)
+    experiment = experiment_id(client, ENSEMBLE_EXPERIMENT,
+                               artifacts.as_uri() if artifacts else None)
+    run_id = client.create_run(experiment, run_name=folder.name).info.run_id
     members = json.loads((folder / ENSEMBLE).read_text())["members"]
     for entry in members:
         client.log_param(run_id, entry["folder"], entry["source"])

@@ -200,7 +200,7 @@ class Tracker:
         client = connect(tracking_uri)
         try:
             if resume_run_id is None:
-                run = client.create_run(_experiment_id(client, experiment, artifact_location),
+                run = client.create_run(experiment_id(client, experiment, artifact_location),
                                         run_name=run_name)
                 run_id = run.info.run_id
             else:
@@ -378,7 +378,7 @@ class Tracker:
                         kind, self.run_id, self.tracking_uri, type(err).__name__, err, kind)
 
 
-def _experiment_id(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+def experiment_id(client: MlflowClient, name: str, artifact_location: str | None) -> str:
     """The id of experiment `name`, created (with `artifact_location`) when it does not exist."""
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
