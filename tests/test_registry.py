@@ -28,10 +28,9 @@ from trainer.registry import (
     WEIGHTS,
     ModelFolderError,
     download_model,
+    ensemble_members,
     load_model_folder,
     main,
-    member_folders,
-    member_weights,
     register_from_run,
     register_model,
     save_ensemble,
@@ -330,12 +329,12 @@ def test_ensemble_folder_holds_verified_copies_of_its_members(
         ensemble: tuple[Path, Path], saved: tuple[Path, DeFragModel, Config]) -> None:
     folder, second = ensemble
     verify_model_folder(folder)
-    members = member_folders(folder)
+    members = [member for member, _ in ensemble_members(folder)]
     assert [m.name for m in members] == ["member-0", "member-1"]
     assert_same_weights(load_model_folder(members[0])[0], saved[1])
     assert_same_weights(load_model_folder(members[1])[0], load_model_folder(second)[0])
-    assert member_folders(saved[0]) == [saved[0]]  # one model: itself
-    assert member_weights(folder) == [0.5, 0.5] and member_weights(saved[0]) == [1.0]
+    assert [weight for _, weight in ensemble_members(folder)] == [0.5, 0.5]
+    assert ensemble_members(saved[0]) == [(saved[0], 1.0)]  # one model: itself, weight 1
     with pytest.raises(ModelFolderError, match="is an ensemble of 2 models, not one"):
         load_model_folder(folder)
 
@@ -347,6 +346,9 @@ def test_damaged_ensembles_are_refused(ensemble: tuple[Path, Path],
     (member / VOCAB).write_bytes((member / VOCAB).read_bytes().replace(b"dog", b"cat"))
     with pytest.raises(ModelFolderError, match=f"member-1/{VOCAB} does not match its checksum"):
         verify_model_folder(folder)
+    (_, _), (damaged, _) = ensemble_members(folder)  # evaluate and retrieve load each member
+    with pytest.raises(ModelFolderError, match=f"member-1/{VOCAB} does not match its checksum"):
+        load_model_folder(damaged)
     rewrite_checksums(member)  # a member swapped for another consistent folder
     with pytest.raises(ModelFolderError, match="member-1 is not the member ensemble.json records"):
         verify_model_folder(folder)
@@ -383,11 +385,11 @@ def test_ensemble_is_registered_and_downloaded_whole(ensemble: tuple[Path, Path]
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
     monkeypatch.chdir(tmp_path / "store")  # nothing may land in the working folder
-    main(["ensemble", *map(str, member_folders(folder)), "--out", str(tmp_path / "again"),
-          "--name", "defrag-ensemble", "--tracking-uri", uri])
+    main(["ensemble", *(str(m) for m, _ in ensemble_members(folder)), "--out",
+          str(tmp_path / "again"), "--name", "defrag-ensemble", "--tracking-uri", uri])
     assert capsys.readouterr().out.split()[-1] == "models:/defrag-ensemble/1"
     dst = download_model("models:/defrag-ensemble@champion", tmp_path / "dl", uri)
-    assert [m.name for m in member_folders(dst)] == ["member-0", "member-1"]
-    for got, want in zip(member_folders(dst), member_folders(folder), strict=True):
+    assert [m.name for m, _ in ensemble_members(dst)] == ["member-0", "member-1"]
+    for (got, _), (want, _) in zip(ensemble_members(dst), ensemble_members(folder), strict=True):
         assert (got / CHECKSUMS).read_bytes() == (want / CHECKSUMS).read_bytes()
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["mlartifacts", "mlflow.db"]

@@ -39,7 +39,7 @@ from trainer.fragment_set import rank
 from trainer.model import DeFragModel, ImageEncoder
 from trainer.objectives import owner_means
 from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
-from trainer.registry import load_model_folder, member_folders, save_ensemble, save_model_folder
+from trainer.registry import ensemble_members, load_model_folder, save_ensemble, save_model_folder
 
 NUM_VAL = 4
 
@@ -163,7 +163,7 @@ def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tm
     folder = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir],
                            weights=[0.25, 0.75])
     member_scores = []
-    for member in member_folders(folder):
+    for member, _ in ensemble_members(folder):
         model, cfg, vocab = load_model_folder(member)
         embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
         member_scores.append(score_matrix(embedded.v, embedded.box_image, embedded.s,

@@ -33,7 +33,7 @@ from trainer.features import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
 from trainer.reader import DataProblem
-from trainer.registry import FEATURIZER, load_model_folder, member_folders, member_weights
+from trainer.registry import FEATURIZER, ensemble_members, load_model_folder
 from trainer.shardset import is_folder, training_manifest
 
 RECALL_AT = (1, 5, 10)
@@ -359,7 +359,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     """The work of `main`: load the model (each member of an ensemble) and the split, evaluate,
     print."""
     split = args.split or _split_of_list(args.shards)
-    members, weights = member_folders(args.model), member_weights(args.model)
+    members, weights = zip(*ensemble_members(args.model), strict=True)
     total, first = None, None
     # members with one CNN share its features (a cache computes them one image at a time: only
     # an ensemble gains)

@@ -178,23 +178,15 @@ def is_ensemble(folder: str | Path) -> bool:
     return (Path(folder) / ENSEMBLE).is_file()
 
 
-def member_folders(folder: str | Path) -> list[Path]:
-    """The model folders of a verified model folder: its members for an ensemble, else itself."""
-    folder = Path(folder)
-    verify_model_folder(folder)
-    if not is_ensemble(folder):
-        return [folder]
-    return [folder / entry["folder"]
-            for entry in json.loads((folder / ENSEMBLE).read_text())["members"]]
-
-
-def member_weights(folder: str | Path) -> list[float]:
-    """The weight of each of `member_folders` in the ensemble's score ([1.0] for one model)."""
+def ensemble_members(folder: str | Path) -> list[tuple[Path, float]]:
+    """Each model folder of `folder` with its weight in the score: an ensemble's members (its
+    own files and member records checked here; each member is verified when
+    `load_model_folder` loads it), else the folder itself with weight 1."""
     folder = Path(folder)
     if not is_ensemble(folder):
-        return [1.0]
-    return [float(entry["weight"])
-            for entry in json.loads((folder / ENSEMBLE).read_text())["members"]]
+        return [(folder, 1.0)]
+    entries = _check_ensemble(folder, "download or export the model again")
+    return [(folder / entry["folder"], float(entry["weight"])) for entry in entries]
 
 
 def verify_model_folder(folder: str | Path) -> None:
@@ -220,8 +212,15 @@ def verify_model_folder(folder: str | Path) -> None:
 
 
 def _verify_ensemble(folder: Path, advice: str) -> None:
-    """An ensemble folder's own files, then each member folder: the one recorded (the sha256
-    of its checksums.json), intact, and no folder that is not a member."""
+    """An ensemble folder whole: `_check_ensemble`, then each member folder intact."""
+    for entry in _check_ensemble(folder, advice):
+        verify_model_folder(folder / entry["folder"])
+
+
+def _check_ensemble(folder: Path, advice: str) -> list[dict[str, Any]]:
+    """An ensemble folder's own files and its `ensemble.json` entries: each member the one
+    recorded (the sha256 of its checksums.json), not an ensemble, and no folder that is not a
+    member. The members' own files are not read here."""
     verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
                      format=MODEL_FORMAT)
     try:
@@ -238,10 +237,11 @@ def _verify_ensemble(folder: Path, advice: str) -> None:
     for name, sha256 in recorded.items():
         if is_ensemble(folder / name):
             raise ModelFolderError(f"{folder / name}: an ensemble member is an ensemble; {advice}")
-        verify_model_folder(folder / name)
-        if _sha256(folder / name / CHECKSUMS) != sha256:
+        checksums = folder / name / CHECKSUMS
+        if not checksums.is_file() or _sha256(checksums) != sha256:
             raise ModelFolderError(f"{folder / name} is not the member {ENSEMBLE} records (other "
-                                   f"checksums); {advice}")
+                                   f"or no checksums); {advice}")
+    return entries
 
 
 def _sha256(path: Path) -> str:
@@ -274,8 +274,8 @@ def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabula
     folder = Path(folder)
     verify_model_folder(folder)
     if is_ensemble(folder):
-        raise ModelFolderError(f"{folder} is an ensemble of {len(member_folders(folder))} "
-                               "models, not one: load each of registry.member_folders")
+        raise ModelFolderError(f"{folder} is an ensemble of {len(ensemble_members(folder))} "
+                               "models, not one: load each of registry.ensemble_members")
     try:
         config = Config.from_dict(json.loads((folder / CONFIG).read_text()))
     except ValueError as err:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from trainer.embedder import (
 from trainer.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.explain import explain, explain_words
 from trainer.fragment_set import FragmentSet, rank, top_k
-from trainer.registry import member_folders, member_weights
+from trainer.registry import ensemble_members
 from trainer.retrieval_report import format_report
 
 
@@ -68,7 +69,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.explain and not (args.query or args.query_image and not arithmetic):
         raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
                              "a --query-image without --minus/--plus")
-    folders, weights = member_folders(args.model), member_weights(args.model)
+    folders, weights = zip(*ensemble_members(args.model), strict=True)
     if len(folders) > 1 and (args.explain or arithmetic):
         raise RetrievalError(f"{args.model} is an ensemble of {len(folders)} models; --explain "
                              "and --minus/--plus read one model: pass one of its members, e.g. "
@@ -145,8 +146,8 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def ensemble_scores(members: list[Embedder], weights: list[float], images: list[FragmentSet],
-                    sentences: list[FragmentSet]) -> torch.Tensor:
+def ensemble_scores(members: list[Embedder], weights: Sequence[float],
+                    images: list[FragmentSet], sentences: list[FragmentSet]) -> torch.Tensor:
     """Scores [images, sentences]: each member's own (its `objective.score`, as the evaluation
     scores), summed with the ensemble's weights (one model: its scores)."""
     for part in (images, sentences):

@@ -1,8 +1,9 @@
 """VSE++'s sentence encoder (Faghri et al. 2018, "VSE++", Section 3.3; not in the papers this
 project reproduces): one GRU layer over the caption's word vectors in order; the sentence vector
 is the hidden state after the last word. torch.nn.GRU runs the recurrence in one fused kernel per
-layer, several times faster than the step-by-step peephole LSTM of trainer/encoders/lstm.py, so
-wide (1024-d) sentence vectors fit this project's CPU budget (docs/results.md, Flickr8k quality).
+layer, about twice as fast as the step-by-step peephole LSTM of trainer/encoders/lstm.py at the
+same size (benchmarks/README.md), so wide (1024-d) sentence vectors fit this project's CPU budget
+(docs/results.md, Flickr8k quality).
 """
 
 from __future__ import annotations
