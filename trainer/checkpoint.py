@@ -44,7 +44,7 @@ class TrainState:
     epoch: int = 0  # the epoch in progress
     step_in_epoch: int = 0  # batches of `epoch` already trained
     global_step: int = 0
-    best_rsum: float = float("-inf")
+    best_score: float = float("-inf")  # the best val figure: rsum, or minus dev perplexity
     best_epoch: int = -1
     finetunes_cnn: bool = False  # the phase of the engine that saved the checkpoint
     mlflow_run_id: str | None = None
@@ -116,7 +116,10 @@ def verify_checkpoint(folder: Path, advice: str = "") -> Path:
 
 
 def load_state(folder: Path) -> TrainState:
-    return TrainState(**json.loads((folder / "state.json").read_text()))
+    state = json.loads((folder / "state.json").read_text())
+    if "best_rsum" in state:  # written before the captioner shared the state
+        state["best_score"] = state.pop("best_rsum")
+    return TrainState(**state)
 
 
 def clear_partial(run_dir: Path) -> None:

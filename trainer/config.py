@@ -186,6 +186,31 @@ class RunConfig:
 
 
 @dataclass
+class CaptionConfig:
+    """The structure-content neural language model (Kiros et al. 2014, 2.5) and its caption
+    generation (5.2): trainer/scnlm.py, trainer/caption_train.py, trainer/captioner.py."""
+
+    # The trained Kiros encoder's model folder: it embeds each training caption (u of eq. 11),
+    # and at generation the image; the SC-NLM uses its vocabulary ("the same vocabulary")
+    encoder: str | None = None
+    word_dim: PositiveInt = 300  # K (2.5)
+    attribute_dim: PositiveInt = 300  # G (2.5)
+    factors: PositiveInt = 100  # F (2.5)
+    context: PositiveInt = 5  # n - 1 previous words of eq. 10 (not given in the paper)
+    forward_tags: NonNegativeInt = 3  # k: tags t_n..t_n+k of eq. 11 (not given in the paper)
+    # Generation (5.2): candidates per image, each a (conditioning vector, POS sequence) decode
+    candidates: PositiveInt = 1000
+    neighbours: PositiveInt = 5  # N nearest words and training sentences ("N = 5")
+    min_length: PositiveInt = 4  # POS sequences of the training set "between 4 and 12"
+    max_length: PositiveInt = 12
+    # Re-ranking: translation score (cosine, x repeat_penalty per repeated non-stopword) +
+    # lm_weight x the Kneser-Ney trigram log-probability (chosen on dev)
+    repeat_penalty: Annotated[float, Above(0, inclusive=False)] = 0.5
+    lm_weight: NonNegativeFloat = 0.02
+    top: PositiveInt = 5  # captions returned per image
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -195,6 +220,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    caption: CaptionConfig = field(default_factory=CaptionConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -209,6 +235,9 @@ class Config:
                 raise ConfigError(f"model.mean_pool is the fragments encoder's DeViSE baseline; "
                                   f"with model.sentence_encoder={encoder} use objective.score="
                                   f"inner or cosine (the mean image fragment) instead")
+        if self.caption.min_length > self.caption.max_length:
+            raise ConfigError(f"caption.min_length {self.caption.min_length} is above "
+                              f"caption.max_length {self.caption.max_length}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

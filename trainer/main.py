@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +37,8 @@ from trainer.train import Trainer
 log = logging.getLogger("trainer")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="trainer.main", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None, prog: str, doc: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     parser.add_argument("--config", help="YAML config file (trainer/config.py lists every key)")
     parser.add_argument("--resume", default="latest",
                         help="'latest' (default: the run's newest checkpoint, if any), "
@@ -79,7 +80,7 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
         except Preempted:
             tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
             raise
-        summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_rsum,
+        summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_score,
                    "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
                    "tracking_uri": tracker.tracking_uri}
         if ctx.is_main and state.best_epoch >= 0:
@@ -95,12 +96,15 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     return summary
 
 
-def run(args: argparse.Namespace) -> None:
+TrainFn = Callable[[Config, DistContext, str], dict]
+
+
+def run(args: argparse.Namespace, train_fn: TrainFn) -> None:
     """Load the config, join the process group, train; the summary printed by rank 0."""
     cfg = Config.load(args.config, args.overrides)
     ctx = init_distributed(cfg.run.device)
     try:
-        summary = train(cfg, ctx, args.resume)
+        summary = train_fn(cfg, ctx, args.resume)
     except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
         log.info("%s", stop)
         return
@@ -111,21 +115,29 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(summary))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    code = 1  # unless the training ends or is preempted
-    try:
-        with one_line_errors("trainer.main", args.debug):
-            run(args)
-            code = 0
-    except SystemExit as failed:  # one_line_errors' line (end_process exits before Python
-        print(failed.code, file=sys.stderr)  # would print it)
-    except Exception:  # with --debug
-        log.exception("training failed")
-    finally:
-        end_process(code)
+def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | None], None]:
+    """The entry point of a torchrun-launched training (`train_fn`): arguments, logging, one
+    error line, and the process's exit code (trainer.main, trainer.caption_train)."""
 
+    def main(argv: list[str] | None = None) -> None:
+        args = parse_args(argv, prog, doc)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        code = 1  # unless the training ends or is preempted
+        try:
+            with one_line_errors(prog, args.debug):
+                run(args, train_fn)
+                code = 0
+        except SystemExit as failed:  # one_line_errors' line (end_process exits before Python
+            print(failed.code, file=sys.stderr)  # would print it)
+        except Exception:  # with --debug
+            log.exception("training failed")
+        finally:
+            end_process(code)
+
+    return main
+
+
+main = main_of(train, "trainer.main", __doc__)
 
 if __name__ == "__main__":
     main()

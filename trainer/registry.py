@@ -13,7 +13,8 @@ pickle, a `torch.save` zip) is refused with a message naming the file.
 
 An ensemble folder holds member model folders (member-0, ...) and `ensemble.json` (each member's
 checksums.json sha256 and weight); its image-sentence score is the weighted sum of its members'
-scores (by default their mean).
+scores (by default their mean). A captioner folder (trainer/captioner.py) holds its encoder's
+model folder (`encoder/`) beside `captioner.json` and the language model's files.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 MODEL_FORMAT = 1
 ENSEMBLE = "ensemble.json"  # an ensemble folder: its members, whose scores are summed weighted
+CAPTIONER, CAPTIONER_ENCODER = "captioner.json", "encoder"  # a captioner folder's record, encoder
 ENSEMBLE_EXPERIMENT = "defrag-ensembles"  # the MLflow experiment whose runs register ensembles
 WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
@@ -91,7 +93,7 @@ def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config
         if found is not None:  # so that new inputs are parsed and boxed alike anywhere
             (staging / FEATURIZER).write_text(json.dumps(found, indent=2, sort_keys=True))
 
-    return _write_folder(Path(folder), fill)
+    return write_folder(Path(folder), fill)
 
 
 def save_ensemble(folder: str | Path, members: Sequence[str | Path],
@@ -134,10 +136,10 @@ def save_ensemble(folder: str | Path, members: Sequence[str | Path],
         if metrics is not None:
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
 
-    return _write_folder(Path(folder), fill)
+    return write_folder(Path(folder), fill)
 
 
-def _write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
+def write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
     """Build a model folder beside `folder` with `fill`, add its checksums, then rename it over
     `folder`: a reader never sees a part."""
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +175,12 @@ def training_featurizer(config: Config) -> dict[str, Any] | None:
     return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
 
 
+def is_captioner(folder: str | Path) -> bool:
+    """Whether `folder` is a captioner folder (trainer/captioner.py): an encoder and a language
+    model, not a retrieval model."""
+    return (Path(folder) / CAPTIONER).is_file()
+
+
 def is_ensemble(folder: str | Path) -> bool:
     """Whether `folder` is an ensemble folder (`save_ensemble`), not one model."""
     return (Path(folder) / ENSEMBLE).is_file()
@@ -199,6 +207,9 @@ def verify_model_folder(folder: str | Path) -> None:
     if is_ensemble(folder):
         _verify_ensemble(folder, advice)
         return
+    if is_captioner(folder):
+        _verify_captioner(folder, advice)
+        return
     listed = verify_checksums(folder, ModelFolderError, "model folder", advice,
                               format=MODEL_FORMAT)["files"]
     for name in REQUIRED_FILES:
@@ -215,6 +226,25 @@ def _verify_ensemble(folder: Path, advice: str) -> None:
     """An ensemble folder whole: `_check_ensemble`, then each member folder intact."""
     for entry in _check_ensemble(folder, advice):
         verify_model_folder(folder / entry["folder"])
+
+
+def _verify_captioner(folder: Path, advice: str) -> None:
+    """A captioner folder whole: its own files, and its encoder folder the one it records."""
+    verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
+                     format=MODEL_FORMAT)
+    encoder = folder / CAPTIONER_ENCODER
+    present = sorted(path.name for path in folder.iterdir() if path.is_dir())
+    if present != [CAPTIONER_ENCODER]:
+        raise ModelFolderError(f"{folder} holds the folders {present}; a captioner holds only "
+                               f"{CAPTIONER_ENCODER}/; {advice}")
+    try:
+        recorded = json.loads((folder / CAPTIONER).read_text())["encoder_checksums_sha256"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelFolderError(f"{folder / CAPTIONER} is malformed ({err!r}); {advice}") from err
+    if not (encoder / CHECKSUMS).is_file() or _sha256(encoder / CHECKSUMS) != recorded:
+        raise ModelFolderError(f"{encoder} is not the encoder {CAPTIONER} records (other or no "
+                               f"checksums); {advice}")
+    verify_model_folder(encoder)
 
 
 def _check_ensemble(folder: Path, advice: str) -> list[dict[str, Any]]:
@@ -276,6 +306,9 @@ def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabula
     if is_ensemble(folder):
         raise ModelFolderError(f"{folder} is an ensemble of {len(ensemble_members(folder))} "
                                "models, not one: load each of registry.ensemble_members")
+    if is_captioner(folder):
+        raise ModelFolderError(f"{folder} is a captioner (python -m trainer.caption); its "
+                               f"retrieval model is {folder / CAPTIONER_ENCODER}")
     try:
         config = Config.from_dict(json.loads((folder / CONFIG).read_text()))
     except ValueError as err:

@@ -226,9 +226,9 @@ class Trainer:
         times = {"train_s": round(train_seconds, 1),
                  "val_s": round(time.perf_counter() - started, 1)}
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
-        best = metrics["rsum"] > self.state.best_rsum
+        best = metrics["rsum"] > self.state.best_score
         if best:
-            self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
+            self.state.best_score, self.state.best_epoch = metrics["rsum"], epoch
         if self.ctx.is_main:
             self.record_epoch(epoch, times, metrics, best)
         self.checkpoint()

@@ -1,0 +1,195 @@
+"""The captioner (Kiros et al. 2014, 2.5 and 5.2): its training captions read from real shards,
+its training run (checkpoints, a resume that ends with the uninterrupted run's weights, MLflow
+perplexities, registration), its model folder's checks, and, end to end, a 2-process training
+whose registered captioner names the colours and shapes really in the synthetic images far more
+often than chance."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from featurizer.synthetic import COLOURS, SHAPES, make_scenes
+from tests.conftest import NUM_VAL
+from tests.test_train_e2e import finish, tiny_config, torchrun
+from trainer.caption_data import (
+    END_TAG,
+    TAG_INDEX,
+    Windows,
+    encode_caption,
+    read_captions,
+    start_id,
+    unknown_id,
+)
+from trainer.checkpoint import latest_checkpoint, load_state
+from trainer.config import Config
+from trainer.distributed import DistContext
+from trainer.model import DeFragModel
+from trainer.preemption import REQUEST, Preempted
+from trainer.reader import ReadOptions
+from trainer.registry import ModelFolderError, save_model_folder, verify_model_folder
+from trainer.shardset import load_vocabulary, train_split
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+SMALL = {"word_dim": 16, "attribute_dim": 16, "factors": 8, "candidates": 50}
+
+
+def test_captions_keep_every_word_with_its_tag(shards):
+    """Shard captions become SC-NLM words (unknown words kept as UNKNOWN) with one tag each."""
+    cfg = Config.from_dict({"data": {"shards": str(shards)}})
+    vocab = load_vocabulary(cfg.data)
+    captions = read_captions(train_split(cfg.data).shards[:1], vocab, ReadOptions(), "train")
+    assert len(captions) == 25  # 5 images x 5 captions
+    assert all(len(c.words) == len(c.tags) == len(c.tokens) > 0 for c in captions)
+    odd = encode_caption({"text": "a zorblax star", "tokens": ["a", "zorblax", "star"],
+                          "tree": {"pos": ["DET", "NOUN", "NOUN"]}}, vocab)
+    assert odd.words[1] == unknown_id(vocab)
+    assert odd.tags == [TAG_INDEX[tag] for tag in ("DET", "NOUN", "NOUN")]
+    with pytest.raises(ValueError, match="2 part-of-speech tags for 3 tokens"):
+        encode_caption({"text": "x", "tokens": ["a", "b", "c"], "tree": {"pos": ["DET", "X"]}},
+                       vocab)
+    windows = Windows.of(captions[:2], vocab, context=3, forward_tags=2)
+    assert len(windows) == len(captions[0].words) + len(captions[1].words)
+    assert windows.context[0].tolist() == [start_id(vocab)] * 3  # the first word's context
+    assert windows.tags[len(captions[0].words) - 1, 1:].tolist() == [END_TAG] * 2
+
+
+@pytest.fixture(scope="module")
+def encoder(shards, tmp_path_factory) -> Path:
+    """An (untrained) Kiros LSTM encoder's model folder over the synthetic vocabulary."""
+    cfg = Config.from_dict({"model": {"sentence_encoder": "lstm", "embed_dim": 16,
+                                      "word_dim": 8, "image_size": 64},
+                            "objective": {"use_fragment": False, "score": "cosine"},
+                            "data": {"shards": str(shards)}})
+    vocab = load_vocabulary(cfg.data)
+    model = DeFragModel.from_config(cfg.model, vocab, seed=0)
+    return save_model_folder(tmp_path_factory.mktemp("encoder") / "lstm", model, cfg, vocab)
+
+
+def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object) -> Config:
+    return Config.from_dict({
+        "model": {"sentence_encoder": "lstm"}, "objective": {"use_fragment": False},
+        "data": {"shards": str(shards), "workers": 0},
+        "caption": {"encoder": str(encoder), **SMALL},
+        "optim": {"optimizer": "adam", "lr": 0.01, "batch_size": 64, "epochs": 2,
+                  "weight_decay": 0.0, "anneal_last_epochs": 1, **optim},
+        "run": {"run_dir": str(tmp_path / "run"), "log_every_steps": 1,
+                "register_name": "defrag-captioner"}})
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, encoder,
+                                                           monkeypatch):
+    """Stopped after its first step and resumed, a captioner run ends with exactly the weights of
+    an uninterrupted one; it records perplexities in MLflow and registers a folder that
+    verifies, and refuses an encoder that is not the one it records."""
+    from trainer.caption_train import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    straight = caption_config(tmp_path / "straight", shards, encoder)
+    summary = train(straight, CPU, resume="latest")
+    assert summary["registered"] == "models:/defrag-captioner@champion"
+
+    stopped = caption_config(tmp_path / "stopped", shards, encoder)
+    run_dir = Path(stopped.run.run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / REQUEST).touch()
+    with pytest.raises(Preempted):
+        train(stopped, CPU, resume="latest")
+    assert load_state(latest_checkpoint(run_dir)).global_step == 1
+    train(stopped, CPU, resume="latest")
+
+    weights = [load_file(latest_checkpoint(Path(cfg.run.run_dir)) / "model.safetensors")
+               for cfg in (straight, stopped)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'straight' / 'run' / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert {"val/perplexity", "train/perplexity", "train/loss"} <= set(run.data.metrics)
+    assert len(client.get_metric_history(run.info.run_id, "val/perplexity")) == 2
+
+    best = tmp_path / "straight" / "run" / "best"
+    verify_model_folder(best)
+    altered = tmp_path / "altered"
+    shutil.copytree(best, altered)
+    (altered / "encoder" / "config.json").write_text("{}")
+    with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
+        verify_model_folder(altered)
+
+
+def test_a_retrieval_model_is_not_a_captioner(tmp_path, shards, encoder, monkeypatch):
+    """caption.encoder must be a whole-sentence encoder; a wrong one fails in one line."""
+    from trainer.caption_train import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = caption_config(tmp_path, shards, tmp_path / "nothing-here")
+    with pytest.raises(ModelFolderError, match="nothing-here: no such model folder"):
+        train(cfg, CPU, resume="latest")
+
+
+def names_in(text: str) -> tuple[set[str], set[str]]:
+    """The colours and shape types a caption names."""
+    words = set(re.findall(r"[a-z]+", text.lower()))
+    kinds = {kind for kind, nouns in SHAPES.items() if words & set(nouns)}
+    return words & set(COLOURS), kinds
+
+
+@pytest.mark.slow
+def test_registered_captioner_names_what_is_in_the_image(tmp_path, shards):
+    """2-process trainings of a Kiros LSTM and then of the SC-NLM on its sentence vectors; the
+    captioner downloaded from the registry describes the val images: its captions name colours
+    and shapes that are in the image far more often than a random colour and shape would."""
+    encoder_run = tmp_path / "lstm"
+    encoder_run.mkdir()
+    overrides = ["model.sentence_encoder=lstm", "objective.use_fragment=false",
+                 "objective.score=cosine", "objective.margin=0.2", "optim.epochs=8",
+                 "optim.frozen_cnn_epochs=8", "optim.lr=0.05", "optim.anneal_last_epochs=0"]
+    finish(torchrun(tiny_config(encoder_run, shards), *overrides))
+
+    config = tmp_path / "captioner.json"
+    cfg = caption_config(tmp_path, shards, encoder_run / "run" / "best", epochs=6)
+    config.write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+               "trainer.caption_train", "--config", str(config)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    summary = json.loads(finish(process).strip().splitlines()[-1])
+    assert summary["best_dev_perplexity"] < 10, summary  # a 40-word templated language
+
+    downloaded = tmp_path / "downloaded"
+    subprocess.run([sys.executable, "-m", "trainer.registry", "download",
+                    "models:/defrag-captioner@champion", "--dst", str(downloaded),
+                    "--tracking-uri", summary["tracking_uri"]], cwd=ROOT, check=True)
+    images = sorted((shards / "source" / "images").glob("val_*.png"))
+    assert len(images) == NUM_VAL
+    described = json.loads(subprocess.run(
+        [sys.executable, "-m", "trainer.caption", "--model", str(downloaded), "--json",
+         *map(str, images)], cwd=ROOT, env=env, capture_output=True, text=True,
+        check=True).stdout)
+    scenes = make_scenes(NUM_VAL, seed=0, split="val")
+    right = chance = 0.0
+    for row, scene in zip(described, scenes, strict=True):
+        colours = {shape.colour for shape in scene.shapes}
+        kinds = {shape.kind for shape in scene.shapes}
+        chance += len(colours) / len(COLOURS) * len(kinds) / len(SHAPES)
+        for caption in row["captions"]:
+            named_colours, named_kinds = names_in(caption["text"])
+            right += (bool(named_colours) and bool(named_kinds) and named_colours <= colours
+                      and named_kinds <= kinds) / len(row["captions"])
+        assert row["nearest_sentence"]
+    right, chance = right / NUM_VAL, chance / NUM_VAL
+    assert right > chance + 0.25, (right, chance, described)
