@@ -1,0 +1,130 @@
+"""Speed of the captioner (Kiros et al. 2014, 2.5 and 5.2) on a trained captioner folder, each
+figure beside a floor measured in the same run:
+
+- training: words per second of SC-NLM steps (forward, cross-entropy, backward, Adam) on batches of
+  the folder's own training captions at its sizes. Floor: the softmax output layer alone
+  (f W^fv + b, cross-entropy, backward) on the same batches, a cost no SC-NLM step avoids.
+- generation: seconds to describe one image (`Captioner.describe`: the candidates decoded as one
+  batch, then re-ranked), split into decode and re-rank, over dev images. Floor: the same greedy
+  decode one candidate at a time (timed on 50 candidates, scaled to the folder's count), which
+  batching replaces.
+
+    python benchmarks/bench_captioner.py [--model runs/captioner/flickr8k/best]
+        [--shards data/flickr8k-whole] [--images 10] [--batch 1000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.caption_data import END_TAG, Windows, start_id, unknown_id
+from trainer.caption_eval import embed_split
+from trainer.captioner import Captioner
+from trainer.scnlm import SCNLM
+
+SINGLE = 50  # candidates decoded one at a time for the decode floor
+
+
+def training_rates(captioner: Captioner, batch: int, steps: int) -> dict[str, float]:
+    """Words/s of SC-NLM training steps and of the output layer alone, on the same batches."""
+    settings = captioner.settings
+    windows = Windows.of(captioner.sentences, captioner.vocab, settings.context,
+                         settings.forward_tags)
+    vectors = captioner.sentence_vectors
+    model = SCNLM(**captioner.scnlm.sizes(), seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    factors = model.word_factors.shape[0]
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+    batches = list(windows.batches(order[:batch * steps], batch))
+
+    def full(rows: Windows) -> None:
+        loss = F.cross_entropy(model(rows.context, rows.tags, vectors[rows.caption]), rows.targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def output_layer(rows: Windows) -> None:
+        f = torch.randn(len(rows), factors, requires_grad=True)
+        loss = F.cross_entropy(f @ model.word_factors + model.output_bias, rows.targets)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    rates = {}
+    for name, step in (("scnlm_step", full), ("output_layer_floor", output_layer)):
+        step(batches[0])  # warm-up
+        started = time.perf_counter()
+        for rows in batches:
+            step(rows)
+        rates[name] = batch * len(batches) / (time.perf_counter() - started)
+    return rates
+
+
+def one_at_a_time(captioner: Captioner, image: torch.Tensor) -> float:
+    """Seconds to decode SINGLE candidates one by one (the unbatched floor)."""
+    sequences = captioner.pos_sequences[:SINGLE]
+    started = time.perf_counter()
+    for sequence in sequences:
+        tags = torch.tensor([sequence])
+        captioner.scnlm.greedy_decode(image[None], tags, torch.tensor([len(sequence)]),
+                                      start_id(captioner.vocab), END_TAG,
+                                      banned=[unknown_id(captioner.vocab)])
+    return time.perf_counter() - started
+
+
+def generation_times(captioner: Captioner, vectors: torch.Tensor, names: list[str]
+                     ) -> dict[str, float]:
+    """Median seconds per image: describe, its decode and re-rank parts, and the floor."""
+    describe, decode, rerank, floor = [], [], [], []
+    with torch.no_grad():
+        captioner.describe(vectors[0], names[0])  # warm-up (the language model's memo too)
+        for vector, name in zip(vectors, names, strict=True):
+            started = time.perf_counter()
+            candidates, _ = captioner.candidates(vector, seed=0)
+            decoded = time.perf_counter()
+            captioner.rerank(vector, candidates)
+            decode.append(decoded - started)
+            rerank.append(time.perf_counter() - decoded)
+            started = time.perf_counter()
+            captioner.describe(vector, name)
+            describe.append(time.perf_counter() - started)
+            floor.append(one_at_a_time(captioner, vector) * captioner.settings.candidates
+                         / SINGLE)
+    return {"describe_s": statistics.median(describe), "decode_s": statistics.median(decode),
+            "rerank_s": statistics.median(rerank),
+            "one_at_a_time_decode_floor_s": statistics.median(floor)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path("runs/captioner/flickr8k/best"))
+    parser.add_argument("--shards", default="data/flickr8k-whole")
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--images", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=1000, help="training windows per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not args.model.is_dir():
+        sys.exit(f"no captioner folder at {args.model}: train one with `python launch/flickr8k.py "
+                 f"captioner` (or pass --model)")
+    captioner = Captioner(args.model)
+    embedded, vectors = embed_split(captioner, args.shards, args.split, args.images)
+    result = {"model": str(args.model), "threads": args.threads,
+              "vocab_size": captioner.scnlm.sizes()["vocab_size"],
+              "candidates": captioner.settings.candidates, "images": embedded.num_images,
+              **training_rates(captioner, args.batch, args.steps),
+              **generation_times(captioner, vectors, embedded.image_ids)}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
