@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -32,6 +33,7 @@ from trainer.caption_data import (
     start_id,
     unknown_id,
 )
+from trainer.captioner import Captioner
 from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
 from trainer.distributed import DistContext
@@ -90,7 +92,18 @@ def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object)
                 "register_name": "defrag-captioner"}})
 
 
-def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, encoder,
+@pytest.fixture(scope="module")
+def straight(shards, encoder, tmp_path_factory) -> tuple[Config, dict]:
+    """A captioner run of 2 epochs, uninterrupted (its config and summary)."""
+    from trainer.caption_train import train
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        cfg = caption_config(tmp_path_factory.mktemp("straight"), shards, encoder)
+        return cfg, train(cfg, CPU, resume="latest")
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, encoder, straight,
                                                            monkeypatch):
     """Stopped after its first step and resumed, a captioner run ends with exactly the weights of
     an uninterrupted one; it records perplexities in MLflow and registers a folder that
@@ -98,10 +111,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     from trainer.caption_train import train
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    straight = caption_config(tmp_path / "straight", shards, encoder)
-    summary = train(straight, CPU, resume="latest")
+    cfg, summary = straight
     assert summary["registered"] == "models:/defrag-captioner@champion"
-
     stopped = caption_config(tmp_path / "stopped", shards, encoder)
     run_dir = Path(stopped.run.run_dir)
     run_dir.mkdir(parents=True)
@@ -111,24 +122,40 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     assert load_state(latest_checkpoint(run_dir)).global_step == 1
     train(stopped, CPU, resume="latest")
 
-    weights = [load_file(latest_checkpoint(Path(cfg.run.run_dir)) / "model.safetensors")
-               for cfg in (straight, stopped)]
+    weights = [load_file(latest_checkpoint(Path(c.run.run_dir)) / "model.safetensors")
+               for c in (cfg, stopped)]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'straight' / 'run' / 'mlflow.db'}")
+    client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert {"val/perplexity", "train/perplexity", "train/loss"} <= set(run.data.metrics)
     assert len(client.get_metric_history(run.info.run_id, "val/perplexity")) == 2
 
-    best = tmp_path / "straight" / "run" / "best"
+    best = Path(cfg.run.run_dir) / "best"
     verify_model_folder(best)
     altered = tmp_path / "altered"
     shutil.copytree(best, altered)
     (altered / "encoder" / "config.json").write_text("{}")
     with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
         verify_model_folder(altered)
+
+
+def test_generation_is_deterministic_with_a_seed(straight):
+    """An image's captions depend only on (seed, its name): the same in any order, other draws
+    with another seed; each caption follows a POS sequence of 4-12 words."""
+    best = Path(straight[0].run.run_dir) / "best"
+    captioner = Captioner(best)
+    images = F.normalize(torch.randn(2, captioner.sentence_vectors.shape[1],
+                                     generator=torch.Generator().manual_seed(0)), dim=1)
+    first = captioner.describe(images[0], "a.png", seed=3)
+    captioner.describe(images[1], "b.png", seed=3)
+    again = Captioner(best).describe(images[0], "a.png", seed=3)
+    assert first == again and len(first.captions) == 5
+    assert all(4 <= len(c.text.split()) <= 12 for c in first.captions)
+    drawn = [captioner.candidates(images[0], seed)[0] for seed in (0, 1)]
+    assert drawn[0] != drawn[1]
 
 
 def test_a_retrieval_model_is_not_a_captioner(tmp_path, shards, encoder, monkeypatch):

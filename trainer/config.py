@@ -204,9 +204,9 @@ class CaptionConfig:
     min_length: PositiveInt = 4  # POS sequences of the training set "between 4 and 12"
     max_length: PositiveInt = 12
     # Re-ranking: translation score (cosine, x repeat_penalty per repeated non-stopword) +
-    # lm_weight x the Kneser-Ney trigram log-probability (chosen on dev)
+    # lm_weight x the Kneser-Ney trigram log-probability
     repeat_penalty: Annotated[float, Above(0, inclusive=False)] = 0.5
-    lm_weight: NonNegativeFloat = 0.02
+    lm_weight: NonNegativeFloat = 0.01  # chosen on 200 Flickr8k dev images (docs/results.md)
     top: PositiveInt = 5  # captions returned per image
 
 
