@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from flickr8k import BIN, ROOT, run  # launch/flickr8k.py, beside this script
+
 CONFIG = "launch/configs/flickr8k-captioner.yaml"
 ENCODER_ROW = "kiros_lstm_tuned"
 RUN = Path("runs/captioner/flickr8k")
@@ -32,18 +29,6 @@ TIMES = RUN / "times.json"
 SYSTEMS = {"generated": "SC-NLM, re-ranked (5.2)",
            "nearest_sentence": "nearest training sentence",
            "language_model": "language model alone (no image)"}
-
-
-def run(command: list[str], log: Path | None = None) -> float:
-    """Run a stage (its output appended to `log` when given); its wall time in seconds."""
-    print("$", " ".join(command), flush=True)
-    started = time.perf_counter()
-    if log is None:
-        subprocess.run(command, check=True, cwd=ROOT)
-    else:
-        with log.open("a") as out:
-            subprocess.run(command, check=True, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    return time.perf_counter() - started
 
 
 def table(results: dict, times: dict) -> str:

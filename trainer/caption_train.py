@@ -35,17 +35,17 @@ from trainer.caption_data import (
     sentence_vectors,
 )
 from trainer.captioner import CaptionerParts, save_captioner
-from trainer.checkpoint import TrainState, clear_partial, load_state, save_checkpoint
+from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import Config, ConfigError
 from trainer.distributed import DistContext
 from trainer.engine import DDPEngine
-from trainer.main import find_checkpoint, main_of
-from trainer.preemption import Preempted, acknowledge, stop_requested
+from trainer.main import fit_and_register, main_of
+from trainer.preemption import acknowledge, stop_requested
 from trainer.reader import ReadOptions
-from trainer.registry import load_model_folder, register_from_run
+from trainer.registry import load_model_folder
 from trainer.scnlm import SCNLM
 from trainer.shardset import train_split, val_split
-from trainer.tracking import RegistrationFailed, Tracker
+from trainer.tracking import Tracker
 from trainer.train import learning_rate
 
 log = logging.getLogger("trainer.caption_train")
@@ -244,39 +244,12 @@ class CaptionTrainer:
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
-    """Train and register the best captioner; the run's summary (see trainer.main.train)."""
-    run_dir = Path(cfg.run.run_dir)
+    """Train and register the best captioner; the run's summary (trainer.main's machinery)."""
     torch.manual_seed(cfg.seed)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        clear_partial(run_dir)
-    checkpoint = find_checkpoint(resume, run_dir)
-    state = load_state(checkpoint) if checkpoint else TrainState()
-    tracker = Tracker.start(cfg, run_dir, ctx.rank, experiment=EXPERIMENT,
-                            resume_run_id=state.mlflow_run_id)
-    with tracker:
-        trainer = CaptionTrainer(cfg, ctx, tracker, state, run_dir)
-        if checkpoint:
-            trainer.resume(checkpoint)
-        try:
-            state = trainer.fit()
-        except Preempted:
-            tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
-            raise
-        summary = {"best_epoch": state.best_epoch, "best_dev_perplexity": -state.best_score,
-                   "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
-                   "tracking_uri": tracker.tracking_uri}
-        if ctx.is_main and state.best_epoch >= 0:
-            name, alias = cfg.run.register_name, cfg.run.register_alias
-            try:
-                version = register_from_run(tracker, run_dir / "best", name, alias)
-            except RegistrationFailed as failed:
-                failed.summary = {**summary, "registered": None,
-                                  "registration_error": failed.error,
-                                  "register_later": failed.command}
-                raise
-            summary.update(registered=f"models:/{name}@{alias}", version=version)
-    return summary
+    return fit_and_register(
+        cfg, ctx, resume,
+        lambda tracker, state: CaptionTrainer(cfg, ctx, tracker, state, Path(cfg.run.run_dir)),
+        best=lambda state: {"best_dev_perplexity": -state.best_score}, experiment=EXPERIMENT)
 
 
 main = main_of(train, "trainer.caption_train", __doc__)

@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,20 +60,33 @@ def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
-    """Train and register the best model; the run's summary. A failed registration raises
-    RegistrationFailed carrying the summary, with the command that registers `best/` later."""
-    run_dir = Path(cfg.run.run_dir)
+    """Train DeFrag and register the best model; the run's summary."""
     torch.manual_seed(cfg.seed)
+    vocab = load_vocabulary(cfg.data)
+    model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed).to(ctx.device)
+    return fit_and_register(
+        cfg, ctx, resume, lambda tracker, state: Trainer(cfg, ctx, model, vocab, tracker, state),
+        best=lambda state: {"best_val_rsum": state.best_score})
+
+
+def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
+                     start: Callable[[Tracker, TrainState], Any],
+                     best: Callable[[TrainState], dict], experiment: str = "defrag") -> dict:
+    """What every training run does around its trainer (`start(tracker, state)`, with `resume`
+    and `fit`): the run folder, the checkpoint to resume, the MLflow run, and rank 0's
+    registration of `best/`; the run's summary (`best` names its best figure). A failed
+    registration raises RegistrationFailed carrying the summary, with the command that registers
+    `best/` later."""
+    run_dir = Path(cfg.run.run_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_partial(run_dir)
-    vocab = load_vocabulary(cfg.data)
-    model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed).to(ctx.device)
     checkpoint = find_checkpoint(resume, run_dir)
     state = load_state(checkpoint) if checkpoint else TrainState()
-    tracker = Tracker.start(cfg, run_dir, ctx.rank, resume_run_id=state.mlflow_run_id)
+    tracker = Tracker.start(cfg, run_dir, ctx.rank, experiment=experiment,
+                            resume_run_id=state.mlflow_run_id)
     with tracker:  # any exception ends the run FAILED, the error as its tag
-        trainer = Trainer(cfg, ctx, model, vocab, tracker, state)
+        trainer = start(tracker, state)
         if checkpoint:
             trainer.resume(checkpoint)
         try:
@@ -80,9 +94,8 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
         except Preempted:
             tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
             raise
-        summary = {"best_epoch": state.best_epoch, "best_val_rsum": state.best_score,
-                   "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
-                   "tracking_uri": tracker.tracking_uri}
+        summary = {"best_epoch": state.best_epoch, **best(state), "run_dir": str(run_dir),
+                   "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri}
         if ctx.is_main and state.best_epoch >= 0:
             name, alias = cfg.run.register_name, cfg.run.register_alias
             try:
