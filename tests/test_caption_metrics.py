@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from trainer import caption_metrics
-from trainer.caption_metrics import caption_scores, tokenize
+from trainer.caption_metrics import caption_scores, system_scores, tokenize
 
 REFERENCES = {
     "beach": ["A dog runs along the sandy beach.", "A brown dog running by the sea."],
@@ -75,10 +75,11 @@ def test_without_java_meteor_is_left_out_with_a_warning(monkeypatch, caplog):
     assert len(caplog.records) == 1 and "METEOR" in caplog.records[0].getMessage()
 
 
-@pytest.mark.slow  # two starts of METEOR's Java process, about 10 s each
+@pytest.mark.slow  # METEOR's Java process takes about 10 s to start
 @pytest.mark.skipif(shutil.which("java") is None, reason="METEOR needs java")
 def test_meteor_prefers_the_matching_captions_and_leaves_no_process():
-    matching = caption_scores(MATCHING, REFERENCES)["METEOR"]
-    unrelated = caption_scores(UNRELATED, REFERENCES)["METEOR"]
-    assert 0 <= unrelated < matching <= 1
+    scores = system_scores({"matching": MATCHING, "unrelated": UNRELATED}, REFERENCES)
+    assert 0 <= scores["unrelated"]["METEOR"] < scores["matching"]["METEOR"] <= 1
+    assert scores["matching"]["BLEU-1"] == caption_scores(MATCHING, REFERENCES,
+                                                          meteor=False)["BLEU-1"]
     assert psutil.Process().children(recursive=True) == []

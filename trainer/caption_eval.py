@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
 from trainer.caption_data import sentence_vectors
-from trainer.caption_metrics import caption_scores, tokenize
+from trainer.caption_metrics import system_scores, tokenize
 from trainer.captioner import Captioner, image_vectors
 from trainer.config import Config
 from trainer.eval_set import load_eval_set
@@ -118,13 +118,11 @@ def evaluate_captioner(captioner: Captioner, shards: str, split: str, images: in
     embedded, vectors = embed_split(captioner, shards, split, images)
     captions = caption_split(captioner, embedded, vectors, seed)
     references = references_of(embedded)
-    results = {}
-    for system in SYSTEMS:
-        ids = {image: text for image, text in zip(embedded.image_ids, captions[system],
-                                                  strict=True)}
-        refs = dict(zip(embedded.image_ids, references, strict=True))
-        results[system] = {**caption_scores(ids, refs),
-                           "retrieval": caption_retrieval(captioner, captions[system], vectors)}
+    refs = dict(zip(embedded.image_ids, references, strict=True))
+    scores = system_scores({system: dict(zip(embedded.image_ids, captions[system], strict=True))
+                            for system in SYSTEMS}, refs)
+    results = {system: {**scores[system], "retrieval": caption_retrieval(
+        captioner, captions[system], vectors)} for system in SYSTEMS}
     rows = [{"image": image, **{s: captions[s][i] for s in SYSTEMS},
              "references": references[i]} for i, image in enumerate(embedded.image_ids)]
     return {"images": embedded.num_images, "split": split, "shards": shards, "seed": seed,

@@ -33,17 +33,37 @@ def caption_scores(candidates: Mapping[str, str], references: Mapping[str, Seque
     """BLEU-1..4, CIDEr and (with `meteor` and Java installed) METEOR of one candidate caption
     per id against that id's references. CIDEr's n-gram IDF comes from the references given,
     so, as in COCO's evaluation, scores depend on the whole set scored together."""
+    return system_scores({"": candidates}, references, meteor)[""]
+
+
+def system_scores(systems: Mapping[str, Mapping[str, str]],
+                  references: Mapping[str, Sequence[str]],
+                  meteor: bool = True) -> dict[str, dict[str, float]]:
+    """`caption_scores` of several systems' candidates against the same references, METEOR's
+    Java process started once for all of them."""
+    if meteor and shutil.which("java") is None:
+        log.warning("no `java` on PATH: METEOR left out of the caption scores")
+        meteor = False
+    scorer = Meteor() if meteor else None
+    try:
+        return {name: _scores(candidates, references, scorer)
+                for name, candidates in systems.items()}
+    finally:
+        if scorer is not None:  # ended here, not left running until garbage collection
+            scorer.meteor_p.kill()
+            scorer.meteor_p.communicate()  # reap it and close its pipes
+
+
+def _scores(candidates: Mapping[str, str], references: Mapping[str, Sequence[str]],
+            meteor: Meteor | None) -> dict[str, float]:
     _check_ids(candidates, references)
     res = {key: [" ".join(tokenize(caption))] for key, caption in candidates.items()}
     gts = {key: [" ".join(tokenize(caption)) for caption in references[key]] for key in res}
     bleus, _ = Bleu(4).compute_score(gts, res, verbose=0)
     scores = {f"BLEU-{n}": float(bleu) for n, bleu in enumerate(bleus, start=1)}
     scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
-    if meteor:
-        if shutil.which("java") is None:
-            log.warning("no `java` on PATH: METEOR left out of the caption scores")
-        else:
-            scores["METEOR"] = _meteor(gts, res)
+    if meteor is not None:
+        scores["METEOR"] = float(meteor.compute_score(gts, res)[0])
     return scores
 
 
@@ -57,14 +77,3 @@ def _check_ids(candidates: Mapping[str, str], references: Mapping[str, Sequence[
     for key in references:
         if key not in candidates:
             raise ValueError(f"reference captions {key!r} have no candidate caption")
-
-
-def _meteor(gts: dict[str, list[str]], res: dict[str, list[str]]) -> float:
-    """Corpus METEOR from pycocoevalcap's Java process, which is ended here, not left running
-    until garbage collection."""
-    scorer = Meteor()
-    try:
-        return float(scorer.compute_score(gts, res)[0])
-    finally:
-        scorer.meteor_p.kill()
-        scorer.meteor_p.communicate()  # reap it and close its pipes
