@@ -8,7 +8,7 @@ Stages, each skipped when its output is already there:
 2. `torchrun --nproc_per_node 1 -m trainer.caption_train --config CONFIG`: runs/captioner/flickr8k,
    its best captioner registered as models:/defrag-captioner@champion;
 3. `python -m trainer.caption_eval` on the dev split: every caption and figure in dev-captions.json,
-   the example picture docs/flickr8k-captions.png.
+   the example picture docs/flickr8k-captions.jpg.
 Writes runs/captioner/flickr8k/results.md (the table of docs/results.md) with each stage's time.
 """
 
@@ -24,7 +24,7 @@ CONFIG = "launch/configs/flickr8k-captioner.yaml"
 ENCODER_ROW = "kiros_lstm_tuned"
 RUN = Path("runs/captioner/flickr8k")
 SHARDS = "data/flickr8k-whole"
-PICTURE = "docs/flickr8k-captions.png"
+PICTURE = "docs/flickr8k-captions.jpg"
 TIMES = RUN / "times.json"
 SYSTEMS = {"generated": "SC-NLM, re-ranked (5.2)",
            "nearest_sentence": "nearest training sentence",

@@ -3,7 +3,7 @@ each image's top caption against its reference captions, beside two baselines sc
 and "caption retrieval" (each caption as a text query over the split's images: its image's rank).
 
     python -m trainer.caption_eval --model DIR --shards data/flickr8k-whole --split dev \\
-        [--images N] [--candidates N] [--out results.json] [--examples 10 --picture FILE.png]
+        [--images N] [--candidates N] [--out results.json] [--examples 10 --picture FILE.jpg]
 
 Systems: `generated` (the captioner), `nearest_sentence` (the nearest training sentence to the
 image in the joint space) and `language_model` (no image: the SC-NLM conditioned on the mean
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
                         "folder's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the figures and every caption as JSON")
-    parser.add_argument("--picture", type=Path, help="a PNG of the first --examples images")
+    parser.add_argument("--picture", type=Path,
+                        help="a picture (.png, .jpg) of the first --examples images")
     parser.add_argument("--examples", type=int, default=10)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
