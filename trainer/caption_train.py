@@ -74,10 +74,12 @@ def perplexity(model: SCNLM, windows: Windows, vectors: torch.Tensor) -> float:
     """exp of the mean negative log-likelihood of every word of `windows` (eq. 10-11)."""
     was_training = model.training
     model.eval()
+    device = model.output_bias.device
     total = 0.0
     for batch in windows.batches(torch.arange(len(windows)), EVAL_BATCH):
-        logits = model(batch.context, batch.tags, vectors[batch.caption])
-        total += float(F.cross_entropy(logits, batch.targets, reduction="sum"))
+        logits = model(batch.context.to(device), batch.tags.to(device),
+                       vectors[batch.caption].to(device))
+        total += float(F.cross_entropy(logits, batch.targets.to(device), reduction="sum"))
     model.train(was_training)
     return math.exp(total / max(len(windows), 1))
 
@@ -109,7 +111,8 @@ class CaptionTrainer:
                                   cfg.caption.forward_tags)
         self.per_rank = cfg.optim.per_rank_batch(ctx.world_size)
         self.steps = self.common_steps()
-        self.model = build_scnlm(cfg, scnlm_vocab_size(self.vocab), self.vectors.shape[1])
+        self.model = build_scnlm(cfg, scnlm_vocab_size(self.vocab),
+                                 self.vectors.shape[1]).to(ctx.device)
         self.engine = DDPEngine(self.model, make_optimizer(self.model, cfg), ctx.device,
                                 ctx.world_size, cfg.optim.grad_clip)
         self.dev: tuple[Windows, torch.Tensor] | None = None
