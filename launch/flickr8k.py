@@ -142,6 +142,12 @@ ROWS = {
     "word2vec": Row("† + MIL, fixed word2vec vectors from the training captions",
                     [f"model.word_vectors={WORD2VEC}", "model.train_word_vectors=false",
                      *LR_0_01]),
+    # Regions as R-CNN sees them: each box warped to 224 x 224 and run through the CNN once
+    # (the cached feature pass: ~140,000 crops), where `roi` pools a 40 px box from about one
+    # cell of the 7 x 7 feature map (docs/results.md). Checkpoints every 50 steps keep the
+    # features computed so far if the first epoch is interrupted.
+    "crop": Row("† + MIL, regions in crop mode (each box warped, as R-CNN)",
+                ["model.region_mode=crop", "run.checkpoint_every_steps=50"]),
     # A finetuning step costs ~11 s on 2 CPU cores (benchmarks/README.md): a whole epoch (300
     # steps) does not fit the budget. Virtual epochs of 60 steps: 20 frozen (the 1,200 steps of
     # the other rows' phase 1), then 60 finetuning steps with MIL at the annealed lr.
