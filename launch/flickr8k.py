@@ -142,12 +142,15 @@ ROWS = {
     "word2vec": Row("† + MIL, fixed word2vec vectors from the training captions",
                     [f"model.word_vectors={WORD2VEC}", "model.train_word_vectors=false",
                      *LR_0_01]),
-    # Regions as R-CNN sees them: each box warped to 224 x 224 and run through the CNN once
-    # (the cached feature pass: ~140,000 crops), where `roi` pools a 40 px box from about one
-    # cell of the 7 x 7 feature map (docs/results.md). Checkpoints every 50 steps keep the
+    # Regions as R-CNN sees them: each box warped and run through the CNN once (the cached
+    # feature pass), where `roi` pools a 40 px box from about one cell of the 7 x 7 feature map
+    # (docs/results.md). At 224 px and 20 boxes the pass ran at 40 s per step of ~70 new images
+    # (3.3 h for the training split); 9 boxes + the image at 128 px cost ~1/6 of that (most
+    # boxes of the 224 px images are smaller than 128 px). Checkpoints every 50 steps keep the
     # features computed so far if the first epoch is interrupted.
-    "crop": Row("† + MIL, regions in crop mode (each box warped, as R-CNN)",
-                ["model.region_mode=crop", "run.checkpoint_every_steps=50"]),
+    "crop": Row("† + MIL, 9 regions + the image in crop mode (each warped to 128 px, as R-CNN)",
+                ["model.region_mode=crop", "model.crop_size=128", "data.max_boxes=10",
+                 "run.checkpoint_every_steps=50"]),
     # A finetuning step costs ~11 s on 2 CPU cores (benchmarks/README.md): a whole epoch (300
     # steps) does not fit the budget. Virtual epochs of 60 steps: 20 frozen (the 1,200 steps of
     # the other rows' phase 1), then 60 finetuning steps with MIL at the annealed lr.
