@@ -144,10 +144,10 @@ ROWS = {
                      *LR_0_01]),
     # Regions as R-CNN sees them: each box warped and run through the CNN once (the cached
     # feature pass), where `roi` pools a 40 px box from about one cell of the 7 x 7 feature map
-    # (docs/results.md). At 224 px and 20 boxes the pass ran at 40 s per step of ~70 new images
-    # (3.3 h for the training split); 9 boxes + the image at 128 px cost ~1/6 of that (most
-    # boxes of the 224 px images are smaller than 128 px). Checkpoints every 50 steps keep the
-    # features computed so far if the first epoch is interrupted.
+    # (docs/results.md). This row is the cheaper setting: 9 boxes + the image at 128 px, 1/6 of
+    # the crop pixels of 20 boxes at 224 px (whose first step took 40 s for ~1,400 crops; most
+    # boxes of the 224 px images are smaller than 128 px anyway). Checkpoints every 50 steps
+    # keep the features computed so far if the first epoch is interrupted.
     "crop": Row("† + MIL, 9 regions + the image in crop mode (each warped to 128 px, as R-CNN)",
                 ["model.region_mode=crop", "model.crop_size=128", "data.max_boxes=10",
                  "run.checkpoint_every_steps=50"]),
