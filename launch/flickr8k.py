@@ -151,6 +151,8 @@ ROWS = {
     "crop": Row("† + MIL, 9 regions + the image in crop mode (each warped to 128 px, as R-CNN)",
                 ["model.region_mode=crop", "model.crop_size=128", "data.max_boxes=10",
                  "run.checkpoint_every_steps=50"]),
+    "crop_paper": Row("† + MIL, 19 regions + the image in crop mode at 224 px (the paper's R-CNN)",
+                      ["model.region_mode=crop", "run.checkpoint_every_steps=50"]),
     # A finetuning step costs ~11 s on 2 CPU cores (benchmarks/README.md): a whole epoch (300
     # steps) does not fit the budget. Virtual epochs of 60 steps: 20 frozen (the 1,200 steps of
     # the other rows' phase 1), then 60 finetuning steps with MIL at the annealed lr.
