@@ -140,6 +140,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     (altered / "encoder" / "config.json").write_text("{}")
     with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
         verify_model_folder(altered)
+    with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
+        Captioner(altered)  # the encoder is verified as it loads
+    with pytest.raises(ModelFolderError, match="is not a captioner folder"):
+        Captioner(best / "encoder")
 
 
 def test_generation_is_deterministic_with_a_seed(straight):

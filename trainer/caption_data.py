@@ -124,9 +124,10 @@ class Windows:
     @classmethod
     def of(cls, captions: Sequence[Caption], vocab: Vocabulary, context: int,
            forward_tags: int) -> Windows:
+        # an empty caption's part (no rows) keeps the concatenation defined without captions
         parts = [training_windows(c.words, c.tags, context, forward_tags, start_id(vocab),
-                                  END_TAG) for c in captions]
-        lengths = torch.tensor([len(c.words) for c in captions], dtype=torch.long)
+                                  END_TAG) for c in [*captions, Caption("", [], [], [])]]
+        lengths = torch.tensor([len(c.words) for c in captions], dtype=torch.long).reshape(-1)
         return cls(torch.cat([p[0] for p in parts]).reshape(-1, context),
                    torch.cat([p[1] for p in parts]).reshape(-1, forward_tags + 1),
                    torch.cat([p[2] for p in parts]).long(),

@@ -133,7 +133,9 @@ class CaptionTrainer:
             dist.all_reduce(steps, op=dist.ReduceOp.MIN)
         if int(steps) == 0:
             raise ValueError(f"{len(self.windows)} training words on rank {self.ctx.rank} "
-                             f"make no batch of {self.per_rank}: lower optim.batch_size")
+                             f"(its {len(self.captions)} captions) make no batch of "
+                             f"{self.per_rank}: lower optim.batch_size, or run fewer processes "
+                             f"than the training split has shards")
         return int(steps)
 
     def gathered_captions(self) -> tuple[list[Caption], torch.Tensor]:

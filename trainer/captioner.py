@@ -46,15 +46,17 @@ from trainer.caption_data import (
     start_id,
     unknown_id,
 )
-from trainer.config import CaptionConfig, Config
+from trainer.config import Config
 from trainer.embedder import load_embedder
 from trainer.files import fingerprint
+from trainer.objectives import owner_means
 from trainer.registry import (
     CAPTIONER,
     CAPTIONER_ENCODER,
     METRICS,
     MODEL_FORMAT,
     ModelFolderError,
+    captioner_encoder,
     verify_model_folder,
     write_folder,
 )
@@ -129,18 +131,15 @@ class Captioner:
 
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
-        verify_model_folder(folder)
+        encoder = captioner_encoder(folder)  # the captioner's own files checked
         try:
             record = json.loads((folder / CAPTIONER).read_text())
-            self.settings = CaptionConfig(**record["caption"])
+            self.settings = Config.from_dict({"caption": record["caption"]}).caption
             sizes = record["scnlm"]
-        except FileNotFoundError as err:
-            raise ModelFolderError(f"{folder} is not a captioner folder (no {CAPTIONER}): "
-                                   "train one with trainer.caption_train") from err
         except (ValueError, KeyError, TypeError) as err:
             raise ModelFolderError(f"{folder / CAPTIONER} is malformed ({err!r})") from err
-        # the encoder with the featurizer steps its training shards used (box source)
-        self.embedder = load_embedder(folder / CAPTIONER_ENCODER, None, None, None)
+        # the encoder (verified as it loads) with the featurizer steps of its training shards
+        self.embedder = load_embedder(encoder, None, None, None)
         self.model, self.vocab = self.embedder.model, self.embedder.vocab
         self.scnlm = SCNLM(**sizes)
         self.scnlm.load_state_dict(load_file(folder / SCNLM_WEIGHTS))
@@ -217,5 +216,4 @@ class Captioner:
 def image_vectors(v: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:
     """Each image's unit vector in the joint space: the mean of its image fragments (the cosine
     score's image side, Kiros 2.2), [count, D]."""
-    sums = torch.zeros(count, v.shape[1]).index_add_(0, owner, v.float())
-    return F.normalize(sums / torch.bincount(owner, minlength=count).clamp(min=1)[:, None], dim=1)
+    return F.normalize(owner_means(v.float(), owner, count), dim=1)

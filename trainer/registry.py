@@ -208,7 +208,7 @@ def verify_model_folder(folder: str | Path) -> None:
         _verify_ensemble(folder, advice)
         return
     if is_captioner(folder):
-        _verify_captioner(folder, advice)
+        _verify_captioner(folder)
         return
     listed = verify_checksums(folder, ModelFolderError, "model folder", advice,
                               format=MODEL_FORMAT)["files"]
@@ -228,8 +228,19 @@ def _verify_ensemble(folder: Path, advice: str) -> None:
         verify_model_folder(folder / entry["folder"])
 
 
-def _verify_captioner(folder: Path, advice: str) -> None:
-    """A captioner folder whole: its own files, and its encoder folder the one it records."""
+def _verify_captioner(folder: Path) -> None:
+    """A captioner folder whole: `captioner_encoder`, then the encoder folder intact."""
+    verify_model_folder(captioner_encoder(folder))
+
+
+def captioner_encoder(folder: str | Path) -> Path:
+    """The encoder folder of a captioner folder, once the captioner's own files are intact and
+    the encoder is the one `captioner.json` records (the encoder's own files are verified when
+    `load_model_folder` loads it)."""
+    folder, advice = Path(folder), "download or export the model again"
+    if not is_captioner(folder):
+        raise ModelFolderError(f"{folder} is not a captioner folder (no {CAPTIONER}): train one "
+                               "with trainer.caption_train")
     verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
                      format=MODEL_FORMAT)
     encoder = folder / CAPTIONER_ENCODER
@@ -244,7 +255,7 @@ def _verify_captioner(folder: Path, advice: str) -> None:
     if not (encoder / CHECKSUMS).is_file() or _sha256(encoder / CHECKSUMS) != recorded:
         raise ModelFolderError(f"{encoder} is not the encoder {CAPTIONER} records (other or no "
                                f"checksums); {advice}")
-    verify_model_folder(encoder)
+    return encoder
 
 
 def _check_ensemble(folder: Path, advice: str) -> list[dict[str, Any]]:
