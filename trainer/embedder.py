@@ -149,14 +149,16 @@ def read_image(path: Path, embedder: Embedder) -> tuple[CaptionedImage, np.ndarr
 
 @torch.no_grad()
 def embed_images(paths: Sequence[Path], embedder: Embedder, skip_bad: bool,
-                 device: str = "cpu") -> tuple[FragmentSet, dict[str, str]]:
-    """Image fragments of `paths`, IMAGE_BATCH images per CNN pass, with a progress bar, and
+                 device: str = "cpu", progress: bool = True
+                 ) -> tuple[FragmentSet, dict[str, str]]:
+    """Image fragments of `paths`, IMAGE_BATCH images per CNN pass (with a progress bar), and
     the unusable files' problems by name: each is skipped with a warning naming the file
     (`skip_bad`), else an error."""
     parts = [FragmentSet([], torch.zeros(0, embedder.cfg.model.embed_dim),
                          torch.zeros(0, dtype=torch.long), torch.zeros(0, 4))]
     problems: dict[str, str] = {}
-    with tqdm(total=len(paths), desc="embed images", unit="img", disable=not paths) as bar:
+    with tqdm(total=len(paths), desc="embed images", unit="img",
+              disable=not (paths and progress)) as bar:
         for first in range(0, len(paths), IMAGE_BATCH):
             images, names, boxes = [], [], []
             for path in paths[first:first + IMAGE_BATCH]:
@@ -174,14 +176,15 @@ def embed_images(paths: Sequence[Path], embedder: Embedder, skip_bad: bool,
                     boxes.append(torch.from_numpy(file_boxes))
                 bar.update()
             if images:
-                parts.append(FragmentSet(names, _image_fragments(embedder.model, images, device),
+                parts.append(FragmentSet(names, image_fragments(embedder.model, images, device),
                                          owners([len(b) for b in boxes]), torch.cat(boxes)))
     return FragmentSet.concat(parts), problems
 
 
-def _image_fragments(model: DeFragModel, images: list[CaptionedImage],
+def image_fragments(model: DeFragModel, images: list[CaptionedImage],
                      device: str) -> torch.Tensor:
-    """v [N_box, d] of decoded images, as the evaluation embeds an image batch."""
+    """v [N_box, d] of decoded images (shard samples or `read_image`), as the evaluation embeds
+    an image batch."""
     pixels = stack_pixels(images)
     boxes = torch.from_numpy(np.concatenate([image.boxes for image in images]))
     box_image = owners([len(image.boxes) for image in images])
@@ -202,18 +205,26 @@ def embed_sentences(texts: Sequence[str], embedder: Embedder,
                     device: str = "cpu") -> FragmentSet:
     """The sentence rows of `texts` (see FragmentSet.detail); a sentence with no fragment, or
     no word, the model knows is warned about (it scores 0 with every image, eq. 6)."""
-    captions = parse_captions(texts, embedder)
+    return embed_parsed(parse_captions(texts, embedder), embedder, device)
+
+
+@torch.no_grad()
+def embed_parsed(captions: Sequence[dict], embedder: Embedder, device: str = "cpu",
+                 warn: bool = True) -> FragmentSet:
+    """`embed_sentences` of captions parsed already (`parse_captions`, or a shard's captions);
+    `warn`: about each sentence the model cannot read (off for whole collections)."""
+    texts = [caption["text"] for caption in captions]
     if embedder.model.sentence.whole_sentence:
         sentences = embed_captions(captions, embedder, device)
         for text, words in zip(texts, sentences.detail[:, 0].tolist(), strict=True):
-            if not words:
+            if warn and not words:
                 log.warning("%r has no word in the model's vocabulary of %d words: it scores 0 "
                             "with everything", text, len(embedder.vocab.words))
         return sentences
     mode = embedder.cfg.model.fragment_mode
     ids = [embedder.vocab.encode(caption, mode) for caption in captions]
     for text, fragments in zip(texts, ids, strict=True):
-        if not len(fragments):
+        if warn and not len(fragments):
             log.warning("%r has no fragment the model knows (no %s with every word and relation "
                         "in its vocabulary of %d words): it scores 0 with everything", text,
                         "triplet" if mode == "triplet" else f"{mode} fragment",

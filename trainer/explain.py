@@ -1,4 +1,4 @@
-"""Why an image and a sentence match, drawn to a file and listed for the retrieval report: each
+"""Why an image and a sentence match, drawn and listed (retrieval's report, the web app): each
 sentence fragment's best box (paper Figure 4, the fragments encoder), or each word's contribution
 to the score (whole-sentence encoders, which have no fragments to align)."""
 
@@ -21,38 +21,37 @@ log = logging.getLogger(__name__)
 LEFT_OUT = "<left out>"
 
 
-def explain(image_path: Path, image: FragmentSet, sentence: FragmentSet, embedder: Embedder,
-            out: Path) -> list[dict[str, Any]]:
+def explain(image_path: Path, image: FragmentSet, sentence: FragmentSet, embedder: Embedder
+            ) -> tuple[Image.Image | None, list[dict[str, Any]]]:
     """Figure 4 for one image and one sentence (one item each): every sentence fragment linked
-    to its best box, drawn to `out`; returns the alignment, one entry per fragment."""
+    to its best box. The picture (None: nothing to draw) and the alignment, one entry per
+    fragment."""
     v, boxes = image.of(0)
     s, ids = sentence.of(0)
     if not len(s):
-        log.warning("nothing to explain: %r has no fragment the model knows; %s not written",
-                    sentence.items[0], out)
-        return []
+        log.warning("nothing to explain: %r has no fragment the model knows", sentence.items[0])
+        return None, []
     picture, alignment = alignment_figure(_pixels(image_path), boxes, sentence.items[0], v, s,
                                           ids, embedder.vocab, embedder.cfg.model.fragment_mode)
-    _save(picture, out)
-    return [{"fragment": label, "box": b, "xyxy": [round(c, 1) for c in boxes[b].tolist()],
-             "score": score} for label, b, score in alignment]
+    return picture, [{"fragment": label, "box": b,
+                      "xyxy": [round(c, 1) for c in boxes[b].tolist()], "score": score}
+                     for label, b, score in alignment]
 
 
 def explain_words(image_path: Path, image: FragmentSet, sentence: str, embedder: Embedder,
-                  out: Path, device: str = "cpu") -> list[dict[str, Any]]:
+                  device: str = "cpu") -> tuple[Image.Image | None, list[dict[str, Any]]]:
     """A whole-sentence encoder's score of one image (one item) and `sentence`, word by word:
     each word's contribution is score(image, sentence) - score(image, sentence without the
     word) (occlusion), with the model's own objective.score, so it applies to every encoder.
     The word is left out the way the vocabulary drops an unknown word (a tree encoder hangs its
-    children on its head, `Vocabulary.encode_tree`). Drawn to `out`; returns one entry per
-    word, contribution None for a word the vocabulary drops."""
+    children on its head, `Vocabulary.encode_tree`). The picture (None: no known word) and one
+    entry per word, contribution None for a word the vocabulary drops."""
     caption = parse_captions([sentence], embedder)[0]
     tokens = caption["tokens"]
     known = [i for i, word in enumerate(tokens) if word in embedder.vocab.word_index]
     if not known:
-        log.warning("nothing to explain: no word of %r is in the model's vocabulary; %s not "
-                    "written", sentence, out)
-        return []
+        log.warning("nothing to explain: no word of %r is in the model's vocabulary", sentence)
+        return None, []
     variants = [caption, *({**caption, "tokens": [LEFT_OUT if j == i else word
                                                   for j, word in enumerate(tokens)]}
                            for i in known)]
@@ -61,9 +60,9 @@ def explain_words(image_path: Path, image: FragmentSet, sentence: str, embedder:
                   objective.score)[0]
     contribution = dict(zip(known, (scores[0] - scores[1:]).tolist(), strict=True))
     words = [(word, contribution.get(i)) for i, word in enumerate(tokens)]
-    _save(word_contribution_figure(_pixels(image_path), sentence, words, float(scores[0]),
-                                   objective.score), out)
-    return [{"word": word, "contribution": value} for word, value in words]
+    picture = word_contribution_figure(_pixels(image_path), sentence, words, float(scores[0]),
+                                       objective.score)
+    return picture, [{"word": word, "contribution": value} for word, value in words]
 
 
 def _pixels(image_path: Path) -> Image.Image:
@@ -73,7 +72,3 @@ def _pixels(image_path: Path) -> Image.Image:
     except BadImage as err:
         raise RetrievalError(f"cannot draw the explanation: {err}") from err
 
-
-def _save(picture: Image.Image, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    picture.save(out)

@@ -55,6 +55,8 @@ from trainer.fragment_set import FragmentSet, rank, top_k
 from trainer.registry import ensemble_members
 from trainer.retrieval_report import format_report
 
+log = logging.getLogger(__name__)
+
 
 def search(args: argparse.Namespace) -> dict[str, Any]:
     """Build or refresh the indexes, answer the queries, explain the first one: the report."""
@@ -136,13 +138,18 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
         image_path, image, sentence = pairs[0]
         report["explain"] = {"image": str(image_path), "sentence": sentence.items[0]}
         if embedder.model.sentence.whole_sentence:
-            words = explain_words(image_path, image, sentence.items[0], embedder, args.explain,
-                                  args.device)
-            report["explain"].update(picture=str(args.explain) if words else None, words=words)
+            picture, details = explain_words(image_path, image, sentence.items[0], embedder,
+                                             args.device)
         else:
-            alignment = explain(image_path, image, sentence, embedder, args.explain)
-            report["explain"].update(picture=str(args.explain) if alignment else None,
-                                     fragments=alignment)
+            picture, details = explain(image_path, image, sentence, embedder)
+        if picture is not None:
+            args.explain.parent.mkdir(parents=True, exist_ok=True)
+            picture.save(args.explain)
+        else:
+            log.warning("%s not written", args.explain)
+        report["explain"].update({
+            "picture": str(args.explain) if picture is not None else None,
+            "words" if embedder.model.sentence.whole_sentence else "fragments": details})
     return report
 
 

@@ -1,0 +1,536 @@
+"""A collection embedded once for search: every image's fragments (and sentences') on disk, with
+one compact vector per item for a faiss first stage; what the web app and the retrieval CLI search.
+
+    python -m trainer.index --model DIR --images FOLDER --out INDEX [--sentences FILE]
+    python -m trainer.index --model DIR --shards URL --split val --out INDEX
+
+The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled):
+- `index.json`: what was embedded with what (the model folder's checksums key, box source,
+  parser, the collection's source), the items, the first stage; written last.
+- `images.safetensors`: `rows` fp16 [N, d], each image's fragments consecutive; `start` int64
+  [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes in the
+  file's pixels; `vectors` float32 [n, d], the first-stage vectors. Memory-mapped at search.
+- `images.faiss`: the first stage over `vectors` (exact inner product; IVF from IVF_FROM items).
+- `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
+  fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
+  --sentences file, else the captions of --shards.
+- `files/`: the images of a --shards collection (a folder collection is served from its folder).
+- `parts/`: while building, each finished unit (256 files, or one shard); a rerun of the same
+  command resumes from them, and they are removed once the index is written.
+
+Search is two-stage: faiss returns the `candidates` items whose first-stage vector scores highest
+with the query's (the mean of an item's rows: eq. 6 without its threshold; for the cosine and
+inner scores of whole-sentence encoders, exactly the model's score), then the model's own score
+(`trainer.fragment_set.rank`, eq. 6 as evaluation computes it) orders them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from defrag.cli import add_debug_flag, one_line_errors
+from trainer.embedder import (
+    IMAGE_BATCH,
+    Embedder,
+    RetrievalError,
+    embed_images,
+    embed_parsed,
+    embed_sentences,
+    image_fragments,
+    load_embedder,
+    parse_captions,
+)
+from trainer.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
+from trainer.explain import explain, explain_words
+from trainer.files import write_atomically
+from trainer.fragment_set import FragmentSet, rank, top_k
+from trainer.reader import BadSample, Notes, ReadOptions, shard_samples
+from trainer.shardset import Shard, locate_split
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1
+UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
+IVF_FROM = 200_000  # items from which the first stage is an IVF index instead of an exact scan
+IVF_PROBE = 32  # lists an IVF first stage searches
+CANDIDATES = 100  # first-stage candidates re-scored exactly (benchmarks/bench_search.py)
+MAX_QUERY_CHARS = 1000
+
+
+class IndexMismatch(RetrievalError):
+    """An index opened with another model than the one that built it."""
+
+
+@dataclass
+class Hit:
+    """One search result: an image's file name or a sentence, its score, its row in the index."""
+
+    item: str
+    score: float
+    position: int
+
+
+# ---------------------------------------------------------------- one side of an index
+
+
+def first_stage_vectors(fragments: FragmentSet, score: str) -> torch.Tensor:
+    """[n, d] one vector per item whose inner products rank like `score` (see module doc): the
+    mean of its rows, of unit length for the cosine score."""
+    sums = torch.zeros(len(fragments.items), fragments.embeddings.shape[1])
+    sums.index_add_(0, fragments.owner, fragments.embeddings.float())
+    means = sums / fragments.counts.clamp(min=1)[:, None]
+    return torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
+
+
+def build_first_stage(vectors: np.ndarray) -> faiss.Index:
+    """An inner-product faiss index over `vectors` [n, d]: exact below IVF_FROM items, else
+    IVF-Flat with ~4 sqrt(n) lists trained on a sample (searched with IVF_PROBE lists)."""
+    n, d = vectors.shape
+    if n < IVF_FROM:
+        first = faiss.IndexFlatIP(d)
+    else:
+        lists = int(4 * np.sqrt(n))
+        first = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, lists, faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(0).choice(n, min(n, 64 * lists), replace=False)
+        first.train(np.ascontiguousarray(vectors[np.sort(sample)]))
+    first.add(np.ascontiguousarray(vectors, dtype=np.float32))
+    return first
+
+
+
+def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
+    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
+    vectors = first_stage_vectors(fragments, score)
+    start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
+    start[1:] = fragments.counts.cumsum(0)
+    save_file({"rows": fragments.embeddings.half().contiguous(), "start": start,
+               "detail": fragments.detail.contiguous(), "vectors": vectors.contiguous()},
+              folder / f"{stem}.safetensors")
+    faiss.write_index(build_first_stage(vectors.numpy()), str(folder / f"{stem}.faiss"))
+
+
+def memory_map(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only memory maps (the format is an 8-byte
+    header size, a JSON header, then the raw little-endian arrays), nothing read up front."""
+    dtypes = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
+    with path.open("rb") as stream:
+        size = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(size))
+    arrays = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        shape, dtype = tuple(entry["shape"]), dtypes[entry["dtype"]]
+        arrays[name] = (np.zeros(shape, dtype) if begin == end else
+                        np.memmap(path, dtype, "r", offset=8 + size + begin, shape=shape))
+    return arrays
+
+
+class Collection:
+    """One side of an opened index: its items, memory-mapped rows and first stage."""
+
+    def __init__(self, folder: Path, stem: str, items: list[str]) -> None:
+        arrays = memory_map(folder / f"{stem}.safetensors")
+        self.items = items
+        self.rows, self.detail, self.start = arrays["rows"], arrays["detail"], arrays["start"]
+        self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
+        if isinstance(self.first, faiss.IndexIVF):
+            self.first.nprobe = IVF_PROBE
+        if len(self.start) != len(items) + 1 or self.first.ntotal != len(items):
+            raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
+                                 f"({len(items)} items): rebuild it with trainer.index")
+
+    def candidates(self, vector: torch.Tensor, k: int) -> np.ndarray:
+        """Positions of the k items whose first-stage vector scores highest with `vector` [d]."""
+        _, found = self.first.search(vector.numpy()[None].astype(np.float32),
+                                     min(k, len(self.items)))
+        return found[0][found[0] >= 0]
+
+    def select(self, positions: Sequence[int]) -> FragmentSet:
+        """The items at `positions` with their rows in float32."""
+        counts = [int(self.start[p + 1] - self.start[p]) for p in positions]
+        rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
+                if len(positions) else np.zeros(0, np.int64))
+        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        return FragmentSet([self.items[p] for p in positions],
+                           torch.from_numpy(self.rows[rows].astype(np.float32)), owner,
+                           torch.from_numpy(np.array(self.detail[rows])))
+
+
+# ---------------------------------------------------------------- searching
+
+
+class SearchIndex:
+    """An index opened for search with its model: sentence -> images, image -> sentences, and
+    Figure 4 for a pair. Bad input raises RetrievalError with one line for the user."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any], embedder: Embedder) -> None:
+        self.folder, self.meta, self.embedder = folder, meta, embedder
+        self.images = Collection(folder, "images", meta["images"])
+        self.sentence_set = (Collection(folder, "sentences", meta["sentences"])
+                             if meta["sentences"] else None)
+        self.candidates = CANDIDATES
+        self.position = {name: k for k, name in enumerate(meta["images"])}
+        self._parse = threading.Lock()  # the parser is not known to be thread-safe
+
+    @classmethod
+    def open(cls, folder: Path, model: Path | None = None) -> SearchIndex:
+        """The index in `folder`, with `model` (default: the model folder that built it, as
+        recorded); IndexMismatch when the model is not that one."""
+        folder = Path(folder)
+        try:
+            meta = json.loads((folder / "index.json").read_text())
+        except (OSError, ValueError) as err:
+            raise RetrievalError(f"{folder} is not a search index ({err}): build one with "
+                                 "python -m trainer.index") from err
+        if meta.get("format") != INDEX_FORMAT:
+            raise RetrievalError(f"index {folder} has format {meta.get('format')!r}, this code "
+                                 f"reads {INDEX_FORMAT}: rebuild it with trainer.index")
+        model = Path(model or meta["model_dir"])
+        embedder = load_embedder(model, None, None, meta["parser"])
+        if embedder.model_key != meta["model"]:
+            raise IndexMismatch(f"index {folder} was built with the model whose checksums key is "
+                                f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
+                                f"({embedder.model_key[:16]}): rebuild the index with this "
+                                "model, or open it with its own")
+        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"]))
+
+    @property
+    def image_names(self) -> list[str]:
+        return self.images.items
+
+    @property
+    def sentences(self) -> list[str]:
+        return self.sentence_set.items if self.sentence_set else []
+
+    def image_file(self, name: str) -> Path:
+        """The file of the indexed image `name`; only indexed names have one (no path is ever
+        built from anything else)."""
+        if name not in self.position:
+            raise RetrievalError(f"{name!r} is not an image of this index")
+        return Path(self.meta["image_folder"]) / name
+
+    def images_for(self, text: str, k: int = 10) -> list[Hit]:
+        """The k best images for a sentence: first stage, then the model's score."""
+        query = self._sentence(text)
+        found = self.images.candidates(self._vector(query), max(k, self.candidates))
+        scores = self._rank(self.images.select(found), query)[:, 0]
+        return [Hit(self.images.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
+
+    def sentences_for_image(self, name: str, k: int = 10) -> list[Hit]:
+        """The k best sentences of the index for one of its images."""
+        self.image_file(name)
+        return self._sentences_for(self.images.select([self.position[name]]), k)
+
+    def sentences_for_file(self, path: Path, k: int = 10) -> list[Hit]:
+        """The k best sentences of the index for a new image file (e.g. an upload)."""
+        image, _ = embed_images([path], self.embedder, skip_bad=False, progress=False)
+        return self._sentences_for(image, k)
+
+    def explain(self, text: str, name: str) -> tuple[Image.Image, dict[str, Any]]:
+        """Figure 4 for a sentence and an indexed image, drawn now, and what it shows."""
+        path, query = self.image_file(name), self._sentence(text)
+        image = self.images.select([self.position[name]])
+        if self.embedder.model.sentence.whole_sentence:
+            picture, words = explain_words(path, image, text, self.embedder)
+            return picture, {"image": name, "sentence": text, "words": words}
+        picture, fragments = explain(path, image, query, self.embedder)
+        return picture, {"image": name, "sentence": text, "fragments": fragments}
+
+    def _sentences_for(self, image: FragmentSet, k: int) -> list[Hit]:
+        if self.sentence_set is None:
+            raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
+        found = self.sentence_set.candidates(self._vector(image), max(k, self.candidates))
+        scores = self._rank(image, self.sentence_set.select(found))[0]
+        return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
+
+    def _sentence(self, text: str) -> FragmentSet:
+        """A query sentence embedded, or RetrievalError saying why it cannot be searched."""
+        text = " ".join(text.split())
+        if not text:
+            raise RetrievalError("the query is empty: type a sentence")
+        if len(text) > MAX_QUERY_CHARS:
+            raise RetrievalError(f"the query has {len(text)} characters; at most "
+                                 f"{MAX_QUERY_CHARS} are searched: shorten it")
+        with self._parse:
+            caption = parse_captions([text], self.embedder)
+        query = embed_parsed(caption, self.embedder, warn=False)
+        words = len(self.embedder.vocab.words)
+        if self.embedder.model.sentence.whole_sentence and not query.detail[0, 0]:
+            raise RetrievalError(f"no word of the query is in the model's vocabulary of {words} "
+                                 "words: rephrase it")
+        if not len(query.embeddings):
+            raise RetrievalError(f"the query has no fragment the model knows (a dependency "
+                                 f"triplet whose words and relation are in its vocabulary of "
+                                 f"{words} words): rephrase it")
+        return query
+
+    def _vector(self, fragments: FragmentSet) -> torch.Tensor:
+        return first_stage_vectors(fragments, self.embedder.cfg.objective.score)[0]
+
+    def _rank(self, images: FragmentSet, sentences: FragmentSet) -> torch.Tensor:
+        objective = self.embedder.cfg.objective
+        return rank(images, sentences, objective.smooth, objective.score)
+
+
+# ---------------------------------------------------------------- building
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A unit of work of the builder: some files of a folder, or one shard."""
+
+    number: int
+    files: tuple[str, ...] = ()
+    shard: Shard | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shard.samples if self.shard else len(self.files)
+
+    def describe(self) -> dict[str, Any]:
+        return ({"shard": dataclasses.asdict(self.shard)} if self.shard
+                else {"files": list(self.files)})
+
+
+_WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
+
+
+def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
+                  options: ReadOptions, threads: int) -> None:
+    torch.set_num_threads(threads)
+    embedder = load_embedder(model, None, None, parser)
+    _WORKER.update(embedder=dataclasses.replace(embedder, boxes=boxes), out=out,
+                   image_folder=image_folder, options=options)
+
+
+def _embed_unit(unit: Unit) -> tuple[int, int]:
+    """Embed one unit into parts/ (tensors, then the JSON that marks it done); its number and
+    size, for the progress bar."""
+    embedder, out = _WORKER["embedder"], _WORKER["out"]
+    if unit.shard:
+        images, sentences, origins, problems = _shard_unit(unit.shard, embedder, out / "files",
+                                                           _WORKER["options"])
+    else:
+        paths = [_WORKER["image_folder"] / name for name in unit.files]
+        images, bad = embed_images(paths, embedder, skip_bad=True, progress=False)
+        sentences, origins, problems = None, [], list(bad.values())
+    parts = out / "parts"
+    tensors = {"rows": images.embeddings, "owner": images.owner, "detail": images.detail}
+    if sentences is not None:
+        tensors.update(s_rows=sentences.embeddings, s_owner=sentences.owner,
+                       s_detail=sentences.detail)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, parts / f"{unit.number:06d}.st")
+    write_atomically(parts / f"{unit.number:06d}.json", json.dumps({
+        "unit": unit.describe(), "images": images.items, "problems": problems,
+        "sentences": sentences.items if sentences is not None else None,
+        "sentence_origins": origins}))
+    return unit.number, unit.size
+
+
+def _shard_unit(shard: Shard, embedder: Embedder, files: Path, options: ReadOptions
+                ) -> tuple[FragmentSet, FragmentSet, list[str], list[str]]:
+    """One shard streamed through the shard reader: its images embedded and written to `files`
+    (boxes back in the file's pixels), its captions embedded as the collection's sentences
+    with the image each describes, and the problems met."""
+    notes, problems = Notes(), []
+    decoded, captions, origins, parts = [], [], [], []
+
+    def embed_decoded() -> None:
+        v = image_fragments(embedder.model, decoded, "cpu")
+        boxes = [torch.from_numpy(image.boxes * np.array(
+            [image.size[0], image.size[1]] * 2, np.float32) / embedder.decoder.image_size)
+            for image in decoded]
+        parts.append(FragmentSet([image.image_id for image in decoded], v,
+                                 torch.repeat_interleave(torch.arange(len(boxes)), torch.tensor(
+                                     [len(b) for b in boxes])), torch.cat(boxes)))
+        decoded.clear()
+
+    for sample in shard_samples(shard, options, notes):
+        try:
+            image = embedder.decoder.decode(sample)
+        except BadSample as err:
+            problems.append(f"{shard.url}: sample {sample.get('__key__')!r} skipped: {err}")
+            continue
+        extension = "jpg" if "jpg" in sample else "png"
+        name = image.image_id.replace("/", "_")
+        if Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+            name = f"{name}.{extension}"
+        image = dataclasses.replace(image, image_id=name)
+        write_atomically(files / name, sample[extension])
+        decoded.append(image)
+        for caption in json.loads(sample["json"])["captions"]:
+            captions.append(caption)
+            origins.append(name)
+        if len(decoded) == IMAGE_BATCH:
+            embed_decoded()
+    if decoded:
+        embed_decoded()
+    problems += [problem.message for problem in notes.problems]
+    images = FragmentSet.concat([_no_images(embedder), *parts])
+    return images, embed_parsed(captions, embedder, warn=False), origins, problems
+
+
+def _no_images(embedder: Embedder) -> FragmentSet:
+    """An empty image FragmentSet (FragmentSet.concat needs one part)."""
+    return FragmentSet([], torch.zeros(0, embedder.cfg.model.embed_dim),
+                       torch.zeros(0, dtype=torch.long), torch.zeros(0, 4))
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    """Embed the collection of `args` into args.out (resuming from its parts/); index.json."""
+    embedder = load_embedder(args.model, args.boxes, args.detector_weights, args.parser)
+    out = Path(args.out)
+    if args.images:
+        folder = Path(args.images).resolve()
+        names = [path.name for path in list_images(folder)]
+        units = [Unit(u, tuple(names[first:first + UNIT_FILES]))
+                 for u, first in enumerate(range(0, len(names), UNIT_FILES))]
+        source, image_folder = {"images": str(folder)}, folder
+    else:
+        split = locate_split(args.shards, args.split, args.manifest)
+        units = [Unit(u, shard=shard) for u, shard in enumerate(split.shards)]
+        source = {"shards": args.shards, "split": args.split}
+        image_folder = (out / "files").resolve()
+    key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
+           "source": source}
+    parts = _parts_folder(out, key)
+    (out / "files").mkdir(exist_ok=True)
+    todo = [unit for unit in units if not _unit_done(parts, unit)]
+    if len(todo) < len(units):
+        log.info("resuming: %d of %d units embedded already", len(units) - len(todo), len(units))
+    options = ReadOptions(verify="local")
+    settings = (args.model, embedder.boxes, embedder.parser_name, out, image_folder, options)
+    with tqdm(total=sum(unit.size for unit in units), initial=sum(
+            unit.size for unit in units if unit not in todo), desc="index images",
+            unit="img") as bar:
+        if args.workers <= 1 or len(todo) <= 1:
+            _start_worker(*settings, torch.get_num_threads())
+            for unit in todo:
+                bar.update(_embed_unit(unit)[1])
+        else:
+            threads = max(1, (os.cpu_count() or 1) // args.workers)
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(args.workers, _start_worker, (*settings, threads)) as pool:
+                for _, size in pool.imap_unordered(_embed_unit, todo):
+                    bar.update(size)
+    return _write_index(out, units, key, embedder, args, image_folder)
+
+
+def _parts_folder(out: Path, key: dict[str, Any]) -> Path:
+    """out/parts for this build: kept when an earlier build of the same key left it."""
+    parts = out / "parts"
+    stamp = parts / "build.json"
+    if parts.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()) != key):
+        log.info("%s holds parts of another build (model, boxes, parser or source): "
+                 "starting again", parts)
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    write_atomically(stamp, json.dumps(key))
+    return parts
+
+
+def _unit_done(parts: Path, unit: Unit) -> bool:
+    """Whether an earlier build embedded `unit` (its JSON, written last, describes it)."""
+    done = parts / f"{unit.number:06d}.json"
+    return done.is_file() and json.loads(done.read_text())["unit"] == json.loads(
+        json.dumps(unit.describe()))
+
+
+def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Embedder,
+                 args: argparse.Namespace, image_folder: Path) -> dict[str, Any]:
+    """Merge the parts (in unit order) into the index files; index.json last, parts removed."""
+    image_parts = [_no_images(embedder)]
+    sentence_parts, problems, origins = [], [], []
+    for unit in units:
+        meta = json.loads((out / "parts" / f"{unit.number:06d}.json").read_text())
+        tensors = load_file(out / "parts" / f"{unit.number:06d}.st")
+        image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
+                                       tensors["detail"]))
+        problems += meta["problems"]
+        if meta["sentences"] is not None:
+            sentence_parts.append(FragmentSet(meta["sentences"], tensors["s_rows"],
+                                              tensors["s_owner"], tensors["s_detail"]))
+            origins += meta["sentence_origins"]
+    images = FragmentSet.concat(image_parts)
+    if not images.items:
+        raise RetrievalError(f"none of the {sum(u.size for u in units)} images could be used "
+                             f"({problems[:3]}...)")
+    if args.sentences:
+        texts, lines = read_sentences(Path(args.sentences))
+        sentences = _embed_sentence_file(texts, embedder)
+        origins = [f"{Path(args.sentences).name}:{line}" for line in lines]
+    else:
+        sentences = FragmentSet.concat(sentence_parts) if sentence_parts else None
+    score = embedder.cfg.objective.score
+    write_collection(out, "images", images, score)
+    if sentences is not None:
+        write_collection(out, "sentences", sentences, score)
+    meta = {"format": INDEX_FORMAT, **key, "model_dir": str(Path(args.model).resolve()),
+            "image_folder": str(image_folder), "score": score, "images": images.items,
+            "sentences": sentences.items if sentences is not None else [],
+            "sentence_origins": origins, "problems": problems}
+    write_atomically(out / "index.json", json.dumps(meta, ensure_ascii=False))
+    shutil.rmtree(out / "parts")
+    return {"index": str(out), "images": len(images.items),
+            "sentences": len(meta["sentences"]), "problems": len(problems)}
+
+
+def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
+    """The sentences of a --sentences file, parsed and embedded 256 at a time."""
+    parts = []
+    for first in tqdm(range(0, len(texts), 256), desc="index sentences", unit="x256"):
+        with torch.no_grad():
+            parts.append(embed_sentences(texts[first:first + 256], embedder))
+    return FragmentSet.concat(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m trainer.index ...`: build (or finish) an index; a summary line of JSON."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.index", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="model folder")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--images", type=Path, help="folder of JPEG / PNG images")
+    where.add_argument("--shards", help="featurizer output folder, its URL, or a shard list")
+    parser.add_argument("--split", default="val", help="split of --shards (default: val)")
+    parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
+    parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--out", required=True, type=Path, help="the index folder")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="embedding processes")
+    parser.add_argument("--boxes", choices=("selective_search", "detector", "fullframe"),
+                        help="box source for --images (default: the model's training shards')")
+    parser.add_argument("--detector-weights", help="state-dict file for --boxes detector")
+    parser.add_argument("--parser", choices=("stanza", "spacy"), help="dependency parser")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with one_line_errors(parser.prog, args.debug):
+        summary = build(args)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
