@@ -181,6 +181,7 @@ def embed_images(paths: Sequence[Path], embedder: Embedder, skip_bad: bool,
     return FragmentSet.concat(parts), problems
 
 
+@torch.no_grad()
 def image_fragments(model: DeFragModel, images: list[CaptionedImage],
                      device: str) -> torch.Tensor:
     """v [N_box, d] of decoded images (shard samples or `read_image`), as the evaluation embeds

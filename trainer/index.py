@@ -7,9 +7,10 @@ one compact vector per item for a faiss first stage; what the web app and the re
 The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled):
 - `index.json`: what was embedded with what (the model folder's checksums key, box source,
   parser, the collection's source), the items, the first stage; written last.
-- `images.safetensors`: `rows` fp16 [N, d], each image's fragments consecutive; `start` int64
-  [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes in the
-  file's pixels; `vectors` float32 [n, d], the first-stage vectors. Memory-mapped at search.
+- `images.safetensors`: the fragments, each image's consecutive: `rows` fp16 [N, d] times
+  `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
+  int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
+  in the file's pixels; `vectors` float32 [n, d], the first-stage vectors. Memory-mapped.
 - `images.faiss`: the first stage over `vectors` (exact inner product; IVF from IVF_FROM items).
 - `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
   fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
@@ -95,22 +96,26 @@ def first_stage_vectors(fragments: FragmentSet, score: str) -> torch.Tensor:
     """[n, d] one vector per item whose inner products rank like `score` (see module doc): the
     mean of its rows, of unit length for the cosine score."""
     sums = torch.zeros(len(fragments.items), fragments.embeddings.shape[1])
-    sums.index_add_(0, fragments.owner, fragments.embeddings.float())
+    for first in range(0, len(fragments.owner), 1 << 16):  # bounded float32 copies
+        rows = slice(first, first + (1 << 16))
+        sums.index_add_(0, fragments.owner[rows], fragments.embeddings[rows].float())
     means = sums / fragments.counts.clamp(min=1)[:, None]
     return torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
 
 
 def build_first_stage(vectors: np.ndarray) -> faiss.Index:
     """An inner-product faiss index over `vectors` [n, d]: exact below IVF_FROM items, else
-    IVF-Flat with ~4 sqrt(n) lists trained on a sample (searched with IVF_PROBE lists)."""
+    IVF-Flat with sqrt(n) lists trained on a sample of 32 per list (searched with IVF_PROBE
+    lists)."""
     n, d = vectors.shape
     if n < IVF_FROM:
         first = faiss.IndexFlatIP(d)
     else:
-        lists = int(4 * np.sqrt(n))
+        lists = int(np.sqrt(n))
         first = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, lists, faiss.METRIC_INNER_PRODUCT)
-        sample = np.random.default_rng(0).choice(n, min(n, 64 * lists), replace=False)
-        first.train(np.ascontiguousarray(vectors[np.sort(sample)]))
+        first.cp.niter = 10
+        sample = np.random.default_rng(0).choice(n, 32 * lists, replace=False)
+        first.train(np.ascontiguousarray(vectors[np.sort(sample)], dtype=np.float32))
     first.add(np.ascontiguousarray(vectors, dtype=np.float32))
     return first
 
@@ -121,7 +126,14 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
     vectors = first_stage_vectors(fragments, score)
     start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
     start[1:] = fragments.counts.cumsum(0)
-    save_file({"rows": fragments.embeddings.half().contiguous(), "start": start,
+    scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude
+    rows = torch.empty(fragments.embeddings.shape, dtype=torch.float16)
+    for first in range(0, len(rows), 1 << 16):  # bounded float32 copies
+        block = fragments.embeddings[first:first + (1 << 16)].float()
+        peak = block.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+        scale[first:first + len(block)] = peak
+        rows[first:first + len(block)] = (block / peak[:, None]).half()
+    save_file({"rows": rows, "scale": scale, "start": start,
                "detail": fragments.detail.contiguous(), "vectors": vectors.contiguous()},
               folder / f"{stem}.safetensors")
     faiss.write_index(build_first_stage(vectors.numpy()), str(folder / f"{stem}.faiss"))
@@ -151,7 +163,8 @@ class Collection:
     def __init__(self, folder: Path, stem: str, items: list[str]) -> None:
         arrays = memory_map(folder / f"{stem}.safetensors")
         self.items = items
-        self.rows, self.detail, self.start = arrays["rows"], arrays["detail"], arrays["start"]
+        self.rows, self.scale = arrays["rows"], arrays["scale"]
+        self.detail, self.start = arrays["detail"], arrays["start"]
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
         if isinstance(self.first, faiss.IndexIVF):
             self.first.nprobe = IVF_PROBE
@@ -160,10 +173,11 @@ class Collection:
                                  f"({len(items)} items): rebuild it with trainer.index")
 
     def candidates(self, vector: torch.Tensor, k: int) -> np.ndarray:
-        """Positions of the k items whose first-stage vector scores highest with `vector` [d]."""
+        """Positions of the k items whose first-stage vector scores highest with `vector` [d],
+        in index order (the exact scan's tie order)."""
         _, found = self.first.search(vector.numpy()[None].astype(np.float32),
                                      min(k, len(self.items)))
-        return found[0][found[0] >= 0]
+        return np.sort(found[0][found[0] >= 0])
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
         """The items at `positions` with their rows in float32."""
@@ -172,7 +186,8 @@ class Collection:
                 if len(positions) else np.zeros(0, np.int64))
         owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         return FragmentSet([self.items[p] for p in positions],
-                           torch.from_numpy(self.rows[rows].astype(np.float32)), owner,
+                           torch.from_numpy(self.rows[rows].astype(np.float32)
+                                            * self.scale[rows][:, None]), owner,
                            torch.from_numpy(np.array(self.detail[rows])))
 
 
@@ -230,26 +245,42 @@ class SearchIndex:
         return Path(self.meta["image_folder"]) / name
 
     def images_for(self, text: str, k: int = 10) -> list[Hit]:
-        """The k best images for a sentence: first stage, then the model's score."""
-        query = self._sentence(text)
-        found = self.images.candidates(self._vector(query), max(k, self.candidates))
-        scores = self._rank(self.images.select(found), query)[:, 0]
-        return [Hit(self.images.items[found[i]], score, int(found[i]))
-                for i, score in top_k(scores, k)]
+        """The k best images for a sentence."""
+        return self.images_for_rows(self.query_rows(text), k)
 
     def sentences_for_image(self, name: str, k: int = 10) -> list[Hit]:
         """The k best sentences of the index for one of its images."""
         self.image_file(name)
-        return self._sentences_for(self.images.select([self.position[name]]), k)
+        return self.sentences_for_rows(self.images.select([self.position[name]]), k)
 
     def sentences_for_file(self, path: Path, k: int = 10) -> list[Hit]:
         """The k best sentences of the index for a new image file (e.g. an upload)."""
         image, _ = embed_images([path], self.embedder, skip_bad=False, progress=False)
-        return self._sentences_for(image, k)
+        return self.sentences_for_rows(image, k)
+
+    def images_for_rows(self, query: FragmentSet, k: int = 10,
+                        candidates: int | None = None) -> list[Hit]:
+        """The k best images for an embedded sentence (one item): the first stage's
+        `candidates` (default self.candidates), then the model's score."""
+        found = self.images.candidates(self._vector(query), max(k, candidates or self.candidates))
+        scores = self._rank(self.images.select(found), query)[:, 0]
+        return [Hit(self.images.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
+
+    def sentences_for_rows(self, image: FragmentSet, k: int = 10,
+                           candidates: int | None = None) -> list[Hit]:
+        """The k best sentences for an embedded image (one item), as `images_for_rows`."""
+        if self.sentence_set is None:
+            raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
+        found = self.sentence_set.candidates(self._vector(image),
+                                             max(k, candidates or self.candidates))
+        scores = self._rank(image, self.sentence_set.select(found))[0]
+        return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
 
     def explain(self, text: str, name: str) -> tuple[Image.Image, dict[str, Any]]:
         """Figure 4 for a sentence and an indexed image, drawn now, and what it shows."""
-        path, query = self.image_file(name), self._sentence(text)
+        path, query = self.image_file(name), self.query_rows(text)
         image = self.images.select([self.position[name]])
         if self.embedder.model.sentence.whole_sentence:
             picture, words = explain_words(path, image, text, self.embedder)
@@ -257,15 +288,7 @@ class SearchIndex:
         picture, fragments = explain(path, image, query, self.embedder)
         return picture, {"image": name, "sentence": text, "fragments": fragments}
 
-    def _sentences_for(self, image: FragmentSet, k: int) -> list[Hit]:
-        if self.sentence_set is None:
-            raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
-        found = self.sentence_set.candidates(self._vector(image), max(k, self.candidates))
-        scores = self._rank(image, self.sentence_set.select(found))[0]
-        return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
-                for i, score in top_k(scores, k)]
-
-    def _sentence(self, text: str) -> FragmentSet:
+    def query_rows(self, text: str) -> FragmentSet:
         """A query sentence embedded, or RetrievalError saying why it cannot be searched."""
         text = " ".join(text.split())
         if not text:

@@ -1,0 +1,200 @@
+"""trainer/index.py: a collection embedded once and searched in two stages. Built from an image
+folder and from shards, it scores as the exact scan and the evaluation do; its first stage is
+checked against a slow reference written from its definition (the mean rows' inner products);
+a build resumes from its finished units and two processes build what one does; bad queries and
+another model get one clear line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import trainer.index as index
+from tests.test_retrieve import NUM_VAL, World, whole_sentence
+from trainer.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
+from trainer.eval_set import load_eval_set
+from trainer.evaluate import embed_eval_set, score_matrix
+from trainer.fragment_set import rank
+from trainer.registry import load_model_folder
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return World(tmp_path_factory.mktemp("index"))
+
+
+def build(*argv: str | Path) -> dict:
+    index.main([str(arg) for arg in argv])
+    return json.loads(Path(argv[argv.index("--out") + 1], "index.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def folder_index(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("built") / "index"
+    build("--model", world.model_dir, "--images", world.images, "--sentences", world.sentences,
+          "--out", out, "--workers", "1")
+    return out
+
+
+def exact_scores(world: World, model_dir: Path) -> torch.Tensor:
+    """The exact scan the retrieval CLI does: every image against every caption [img, sent]."""
+    embedder = load_embedder(model_dir, None, None, None)
+    images, _ = embed_images(sorted(world.images.iterdir()), embedder, skip_bad=False)
+    sentences = embed_sentences(world.captions, embedder)
+    objective = embedder.cfg.objective
+    return rank(images, sentences, objective.smooth, objective.score)
+
+
+def test_folder_index_ranks_like_the_exact_scan(world: World, folder_index: Path) -> None:
+    searched = index.SearchIndex.open(folder_index)
+    exact = exact_scores(world, world.model_dir)
+    assert searched.image_names == world.names and searched.sentences == world.captions
+    for q, text in enumerate(world.captions):
+        hits = searched.images_for(text, k=NUM_VAL)
+        order = torch.argsort(exact[:, q], descending=True, stable=True)
+        assert [hit.position for hit in hits] == order.tolist()
+        assert [hit.score for hit in hits] == pytest.approx(exact[order, q].tolist(), rel=1e-2)
+    for k, name in enumerate(world.names):
+        hits = searched.sentences_for_image(name, k=5)
+        order = torch.argsort(exact[k], descending=True, stable=True)[:5]
+        assert [hit.item for hit in hits] == [world.captions[i] for i in order]
+    upload = searched.sentences_for_file(world.images / world.names[2], k=5)
+    assert [hit.item for hit in upload] == [h.item for h in searched.sentences_for_image(
+        world.names[2], k=5)]
+
+
+def test_first_stage_candidates_then_exact_scores(world: World, folder_index: Path) -> None:
+    """With K = 2 of 4 images: the two images whose mean fragment has the highest inner product
+    with the query's mean fragment (eq. 6 without its threshold), ordered by eq. 6."""
+    searched = index.SearchIndex.open(folder_index)
+    searched.candidates = 2
+    model, cfg, _ = load_model_folder(world.model_dir)
+    images = searched.images.select(range(NUM_VAL))
+    exact = exact_scores(world, world.model_dir)
+    for q, text in enumerate(world.captions):
+        query = searched.query_rows(text)
+        means = torch.stack([images.of(k)[0].mean(0) for k in range(NUM_VAL)])
+        proxy = means @ query.embeddings.mean(0)
+        chosen = sorted(torch.argsort(proxy, descending=True, stable=True)[:2].tolist())
+        expected = sorted(chosen, key=lambda k: -exact[k, q].item())
+        assert [hit.position for hit in searched.images_for(text, k=2)] == expected
+
+
+def test_a_whole_sentence_encoders_first_stage_is_its_score(world: World,
+                                                           tmp_path: Path) -> None:
+    """Cosine scores: the first-stage vectors are the unit mean rows, so the first stage alone
+    ranks exactly as the model does."""
+    folder = world.save_model(tmp_path / "linear", seed=1, cfg=whole_sentence(world.cfg, "linear",
+                                                                              "cosine"))
+    meta = build("--model", folder, "--images", world.images, "--out", tmp_path / "index",
+                 "--workers", "1")
+    assert meta["score"] == "cosine" and meta["sentences"] == []
+    searched = index.SearchIndex.open(tmp_path / "index")
+    exact = exact_scores(world, folder)
+    vectors = load_file(tmp_path / "index" / "images.safetensors")["vectors"]
+    for q, text in enumerate(world.captions[:6]):
+        query = index.first_stage_vectors(searched.query_rows(text), "cosine")[0]
+        assert (vectors @ query).tolist() == pytest.approx(exact[:, q].tolist(), abs=1e-5)
+    with pytest.raises(RetrievalError, match="no sentences: rebuild it with --sentences"):
+        searched.sentences_for_image(world.names[0])
+
+
+def test_shard_index_matches_the_evaluation(world: World, tmp_path: Path) -> None:
+    meta = build("--model", world.model_dir, "--shards", world.shards, "--split", "val",
+                 "--out", tmp_path / "index", "--workers", "1")
+    model, cfg, vocab = load_model_folder(world.model_dir)
+    embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+    assert meta["sentences"] == embedded.captions
+    assert meta["images"] == [f"{name}.png" for name in embedded.image_ids]
+    assert meta["sentence_origins"] == [meta["images"][k] for k in embedded.sentence_image]
+    scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
+                          embedded.num_images, embedded.num_sentences, cfg.objective.smooth)
+    searched = index.SearchIndex.open(tmp_path / "index")
+    everything = rank(searched.images.select(range(NUM_VAL)),
+                      searched.sentence_set.select(range(len(meta["sentences"]))),
+                      cfg.objective.smooth)
+    assert torch.allclose(everything, scores, rtol=1e-2, atol=0)  # rows kept in fp16
+    for name in meta["images"]:  # the image files, with their boxes in the files' pixels
+        assert searched.image_file(name).read_bytes()[:4] == b"\x89PNG"
+    assert searched.images.select([0]).detail.tolist() == [[0.0, 0.0, 64.0, 64.0]]
+
+
+def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(index, "UNIT_FILES", 1)
+    embed_unit = index._embed_unit
+
+    def dies_on_the_third(unit: index.Unit) -> tuple[int, int]:
+        if unit.number == 2:
+            raise KeyboardInterrupt
+        return embed_unit(unit)
+
+    argv = ["--model", world.model_dir, "--images", world.images, "--out", tmp_path / "index",
+            "--workers", "1"]
+    monkeypatch.setattr(index, "_embed_unit", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        build(*argv)
+    assert not (tmp_path / "index" / "index.json").exists()
+    monkeypatch.setattr(index, "_embed_unit", embed_unit)
+    caplog.set_level(logging.INFO, logger="trainer.index")
+    resumed = build(*argv)
+    assert "resuming: 2 of 4 units embedded already" in caplog.text
+    assert not (tmp_path / "index" / "parts").exists()
+    fresh = build(*argv[:-3], tmp_path / "fresh", "--workers", "1")
+    assert resumed["images"] == fresh["images"]
+    for name, tensor in load_file(tmp_path / "fresh" / "images.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "index" / "images.safetensors")[name], tensor)
+
+
+@pytest.mark.slow
+def test_two_processes_build_what_one_does(world: World, tmp_path: Path,
+                                           folder_index: Path) -> None:
+    build("--model", world.model_dir, "--images", world.images, "--sentences", world.sentences,
+          "--out", tmp_path / "index", "--workers", "2")
+    for stem in ("images", "sentences"):
+        one = load_file(folder_index / f"{stem}.safetensors")
+        for name, tensor in load_file(tmp_path / "index" / f"{stem}.safetensors").items():
+            assert torch.allclose(one[name].float(), tensor.float(), atol=1e-3), (stem, name)
+
+
+def test_bad_queries_and_another_model_get_one_clear_line(world: World, folder_index: Path,
+                                                          capsys) -> None:
+    searched = index.SearchIndex.open(folder_index)
+    for query, message in (("   ", "the query is empty"), ("red " * 400, "at most 1000"),
+                           ("qwerty zork", "no fragment the model knows")):
+        with pytest.raises(RetrievalError, match=message):
+            searched.images_for(query)
+    with pytest.raises(RetrievalError, match="is not an image of this index"):
+        searched.image_file("../model/weights.safetensors")
+    with pytest.raises(index.IndexMismatch) as refused:
+        index.SearchIndex.open(folder_index, model=world.linear_dir)
+    own = load_embedder(world.model_dir, None, None, None).model_key
+    other = load_embedder(world.linear_dir, None, None, None).model_key
+    assert own[:16] in str(refused.value) and other[:16] in str(refused.value)
+    with pytest.raises(SystemExit, match="--images .*nowhere: no such folder"):
+        index.main(["--model", str(world.model_dir), "--images", str(world.images / "nowhere"),
+                    "--out", str(folder_index.parent / "x")])
+
+
+def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
+    mapped = index.memory_map(folder_index / "images.safetensors")
+    for name, tensor in load_file(folder_index / "images.safetensors").items():
+        assert np.array_equal(np.asarray(mapped[name]), tensor.numpy()), name
+
+
+def test_an_ivf_first_stage_finds_the_flat_scans_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index, "IVF_FROM", 1000)
+    vectors = torch.nn.functional.normalize(torch.randn(4000, 32), dim=1).numpy()
+    first = index.build_first_stage(vectors)
+    assert type(first).__name__ == "IndexIVFFlat" and first.ntotal == 4000
+    first.nprobe = first.nlist  # every list: exact
+    query = vectors[:5] + 0.1
+    flat = (query @ vectors.T).argsort(axis=1)[:, ::-1][:, :10]
+    assert np.array_equal(first.search(query, 10)[1], flat)
