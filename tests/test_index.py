@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.index as index
+import trainer.retrieve as retrieve
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
 from trainer.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
 from trainer.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, score_matrix
 from trainer.fragment_set import rank
-from trainer.registry import load_model_folder
+from trainer.registry import load_model_folder, save_ensemble
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +199,27 @@ def test_an_ivf_first_stage_finds_the_flat_scans_items(monkeypatch: pytest.Monke
     query = vectors[:5] + 0.1
     flat = (query @ vectors.T).argsort(axis=1)[:, ::-1][:, :10]
     assert np.array_equal(first.search(query, 10)[1], flat)
+
+
+def test_the_retrieval_command_searches_an_index(world: World, folder_index: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    retrieve.main(["--model", str(world.model_dir), "--index", str(folder_index), "--query",
+                   world.captions[6], "--query-image", str(world.images / world.names[1]),
+                   "--explain", str(tmp_path / "why.png"), "--top-k", "3", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    searched = index.SearchIndex.open(folder_index)
+    by_text, by_image = report["queries"]
+    assert [r["image"] for r in by_text["results"]] == [
+        hit.item for hit in searched.images_for(world.captions[6], k=3)]
+    assert [r["sentence"] for r in by_image["results"]] == [
+        hit.item for hit in searched.sentences_for_image(world.names[1], k=3)]
+    assert by_image["results"][0]["line"].startswith("sentences.txt:")
+    assert report["explain"]["picture"] == str(tmp_path / "why.png")
+    assert (tmp_path / "why.png").is_file() and report["explain"]["fragments"]
+
+
+def test_an_ensemble_is_refused_naming_its_members(world: World, tmp_path: Path) -> None:
+    ensemble = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir], [1, 1])
+    with pytest.raises(SystemExit, match="is an ensemble; an index holds one model's fragments"):
+        index.main(["--model", str(ensemble), "--images", str(world.images), "--out",
+                    str(tmp_path / "index")])

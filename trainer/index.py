@@ -64,6 +64,7 @@ from trainer.explain import explain, explain_words
 from trainer.files import write_atomically
 from trainer.fragment_set import FragmentSet, rank, top_k
 from trainer.reader import BadSample, Notes, ReadOptions, shard_samples
+from trainer.registry import ensemble_members, is_ensemble
 from trainer.shardset import Shard, locate_split
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,16 @@ class Collection:
                            torch.from_numpy(np.array(self.detail[rows])))
 
 
+def _load(model: Path, boxes: str | None, detector_weights: str | None,
+          parser: str | None) -> Embedder:
+    """`load_embedder`, with a clear error for an ensemble folder (one model per index)."""
+    if is_ensemble(model):
+        members = ", ".join(str(folder) for folder, _ in ensemble_members(model))
+        raise RetrievalError(f"{model} is an ensemble; an index holds one model's fragments: "
+                             f"index one of its members ({members})")
+    return load_embedder(model, boxes, detector_weights, parser)
+
+
 # ---------------------------------------------------------------- searching
 
 
@@ -221,7 +232,7 @@ class SearchIndex:
             raise RetrievalError(f"index {folder} has format {meta.get('format')!r}, this code "
                                  f"reads {INDEX_FORMAT}: rebuild it with trainer.index")
         model = Path(model or meta["model_dir"])
-        embedder = load_embedder(model, None, None, meta["parser"])
+        embedder = _load(model, None, None, meta["parser"])
         if embedder.model_key != meta["model"]:
             raise IndexMismatch(f"index {folder} was built with the model whose checksums key is "
                                 f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
@@ -343,7 +354,7 @@ _WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_sta
 def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
                   options: ReadOptions, threads: int) -> None:
     torch.set_num_threads(threads)
-    embedder = load_embedder(model, None, None, parser)
+    embedder = _load(model, None, None, parser)
     _WORKER.update(embedder=dataclasses.replace(embedder, boxes=boxes), out=out,
                    image_folder=image_folder, options=options)
 
@@ -423,7 +434,7 @@ def _no_images(embedder: Embedder) -> FragmentSet:
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Embed the collection of `args` into args.out (resuming from its parts/); index.json."""
-    embedder = load_embedder(args.model, args.boxes, args.detector_weights, args.parser)
+    embedder = _load(args.model, args.boxes, args.detector_weights, args.parser)
     out = Path(args.out)
     if args.images:
         folder = Path(args.images).resolve()

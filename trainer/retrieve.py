@@ -20,6 +20,9 @@ whole-sentence encoder each word's contribution to the score, by leaving it out
 (trainer.explain.explain_words). --minus / --plus make a --query-image rank the --images by
 Kiros et al.'s multimodal vector arithmetic (trainer.arithmetic; linear encoder only).
 
+--index INDEX searches a collection embedded once by `python -m trainer.index` (any size: a
+faiss first stage, then eq. 6 over its candidates) instead of --images / --sentences.
+
 The fragment embeddings of --images and --sentences are cached in --index-dir (default
 FOLDER/.defrag-index, or beside the sentences file) as safetensors tensors plus a JSON
 description, keyed by the model's checksums, the box source or parser, and each image file's name,
@@ -52,6 +55,7 @@ from trainer.embedder import (
 from trainer.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.explain import explain, explain_words
 from trainer.fragment_set import FragmentSet, rank, top_k
+from trainer.index import SearchIndex
 from trainer.registry import ensemble_members
 from trainer.retrieval_report import format_report
 
@@ -153,6 +157,46 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def index_search(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of `search` answered from a search index (trainer.index): two-stage search of
+    a collection of any size, embedded once."""
+    if args.minus or args.plus or args.images or args.sentences:
+        raise RetrievalError("--index holds the images and sentences to search: drop --images, "
+                             "--sentences, --minus and --plus")
+    if args.explain and not args.query:
+        raise RetrievalError("with --index, --explain draws a --query against its top image")
+    index = SearchIndex.open(args.index, args.model)
+    whole_sentence = index.embedder.model.sentence.whole_sentence
+    report: dict[str, Any] = {"model": str(args.model), "index_dir": str(args.index),
+                              "images": len(index.image_names),
+                              "sentences": len(index.sentences), "queries": []}
+    for text in args.query:
+        query = index.query_rows(text)
+        unit, size = (("words", int(query.detail[0, 0])) if whole_sentence
+                      else ("fragments", len(query.embeddings)))
+        hits = index.images_for_rows(query, args.top_k)
+        report["queries"].append({
+            "kind": "sentence", "query": text, unit: size,
+            "results": [{"rank": r, "score": hit.score, "image": hit.item}
+                        for r, hit in enumerate(hits, 1)]})
+    origins = index.meta["sentence_origins"]
+    for path in args.query_image:
+        image, _ = embed_images([path], index.embedder, skip_bad=False, progress=False)
+        hits = index.sentences_for_rows(image, args.top_k)
+        report["queries"].append({
+            "kind": "image", "query": str(path), "boxes": int(image.counts[0]),
+            "results": [{"rank": r, "score": hit.score, "sentence": hit.item,
+                         "line": origins[hit.position]} for r, hit in enumerate(hits, 1)]})
+    if args.explain:
+        top = report["queries"][0]["results"][0]["image"]
+        picture, details = index.explain(args.query[0], top)
+        args.explain.parent.mkdir(parents=True, exist_ok=True)
+        picture.save(args.explain)
+        report["explain"] = {**details, "image": str(index.image_file(top)),
+                             "picture": str(args.explain)}
+    return report
+
+
 def ensemble_scores(members: list[Embedder], weights: Sequence[float],
                     images: list[FragmentSet], sentences: list[FragmentSet]) -> torch.Tensor:
     """Scores [images, sentences]: each member's own (its `objective.score`, as the evaluation
@@ -189,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "ensemble folder: the weighted sum of its members' scores")
     parser.add_argument("--images", type=Path, help="folder of JPEG / PNG images to search")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--index", type=Path,
+                        help="a search index of the model (python -m trainer.index): search its "
+                             "images and sentences in two stages instead of --images/--sentences")
     parser.add_argument("--query", action="append", default=[], metavar="SENTENCE",
                         help="rank the --images for this sentence (repeatable)")
     parser.add_argument("--query-image", action="append", default=[], type=Path,
@@ -221,15 +268,15 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m trainer.retrieve ...`: a table (or --json) on stdout, progress on stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.images is None and args.sentences is None:
-        parser.error("pass --images FOLDER and/or --sentences FILE")
+    if args.images is None and args.sentences is None and args.index is None:
+        parser.error("pass --images FOLDER and/or --sentences FILE, or --index INDEX")
     if args.top_k < 1:
         parser.error(f"--top-k must be >= 1, got {args.top_k}")
     if args.boxes == "detector" and not args.detector_weights:
         parser.error("--boxes detector needs --detector-weights FILE (a Faster R-CNN state dict)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     with one_line_errors(parser.prog, args.debug):
-        report = search(args)
+        report = index_search(args) if args.index else search(args)
     print(json.dumps(report, indent=1, ensure_ascii=False) if args.json
           else format_report(report))
 
