@@ -71,26 +71,30 @@ def test_folder_index_ranks_like_the_exact_scan(world: World, folder_index: Path
 
 
 def test_first_stage_candidates_then_exact_scores(world: World, folder_index: Path) -> None:
-    """With K = 2 of 4 images: the two images whose mean fragment has the highest inner product
-    with the query's mean fragment (eq. 6 without its threshold), ordered by eq. 6."""
+    """With M = 2 keys per query fragment and K = 2 of 4 images: each query fragment's two best
+    image fragments, their thresholded scores summed per image (eq. 6 over the pairs found),
+    pick two images, which eq. 6 then orders: checked against loops over the definition."""
     searched = index.SearchIndex.open(folder_index)
-    searched.candidates = 2
-    model, cfg, _ = load_model_folder(world.model_dir)
+    searched.candidates, searched.images.key_candidates = 2, 2
     images = searched.images.select(range(NUM_VAL))
     exact = exact_scores(world, world.model_dir)
     for q, text in enumerate(world.captions):
         query = searched.query_rows(text)
-        means = torch.stack([images.of(k)[0].mean(0) for k in range(NUM_VAL)])
-        proxy = means @ query.embeddings.mean(0)
-        chosen = sorted(torch.argsort(proxy, descending=True, stable=True)[:2].tolist())
+        found = [0.0] * NUM_VAL
+        for s_j in query.embeddings:
+            products = [(float(v_i @ s_j), i) for i, v_i in enumerate(images.embeddings)]
+            for product, i in sorted(products, reverse=True)[:2]:
+                found[int(images.owner[i])] += max(product, 0.0) / int(images.counts[
+                    images.owner[i]])
+        chosen = sorted(sorted(range(NUM_VAL), key=lambda k: -found[k])[:2])
         expected = sorted(chosen, key=lambda k: -exact[k, q].item())
         assert [hit.position for hit in searched.images_for(text, k=2)] == expected
 
 
 def test_a_whole_sentence_encoders_first_stage_is_its_score(world: World,
                                                            tmp_path: Path) -> None:
-    """Cosine scores: the first-stage vectors are the unit mean rows, so the first stage alone
-    ranks exactly as the model does."""
+    """Cosine scores: the first stage's keys are the unit mean rows, whose inner products are the
+    model's scores (up to the rows' fp16 storage)."""
     folder = world.save_model(tmp_path / "linear", seed=1, cfg=whole_sentence(world.cfg, "linear",
                                                                               "cosine"))
     meta = build("--model", folder, "--images", world.images, "--out", tmp_path / "index",
@@ -98,10 +102,10 @@ def test_a_whole_sentence_encoders_first_stage_is_its_score(world: World,
     assert meta["score"] == "cosine" and meta["sentences"] == []
     searched = index.SearchIndex.open(tmp_path / "index")
     exact = exact_scores(world, folder)
-    vectors = load_file(tmp_path / "index" / "images.safetensors")["vectors"]
+    vectors = index.first_stage_keys(searched.images.select(range(NUM_VAL)), "cosine")[0]
     for q, text in enumerate(world.captions[:6]):
-        query = index.first_stage_vectors(searched.query_rows(text), "cosine")[0]
-        assert (vectors @ query).tolist() == pytest.approx(exact[:, q].tolist(), abs=1e-5)
+        query = index.first_stage_keys(searched.query_rows(text), "cosine")[0][0]
+        assert (vectors @ query).tolist() == pytest.approx(exact[:, q].tolist(), abs=2e-4)
     with pytest.raises(RetrievalError, match="no sentences: rebuild it with --sentences"):
         searched.sentences_for_image(world.names[0])
 
@@ -190,15 +194,30 @@ def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
         assert np.array_equal(np.asarray(mapped[name]), tensor.numpy()), name
 
 
-def test_an_ivf_first_stage_finds_the_flat_scans_items(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above IVF_FROM keys: IVF with 8-bit codes. Searching every list finds the flat scan's
+    best keys of the projected space (up to the codes' rounding)."""
     monkeypatch.setattr(index, "IVF_FROM", 1000)
-    vectors = torch.nn.functional.normalize(torch.randn(4000, 32), dim=1).numpy()
-    first = index.build_first_stage(vectors)
-    assert type(first).__name__ == "IndexIVFFlat" and first.ntotal == 4000
-    first.nprobe = first.nlist  # every list: exact
-    query = vectors[:5] + 0.1
-    flat = (query @ vectors.T).argsort(axis=1)[:, ::-1][:, :10]
-    assert np.array_equal(first.search(query, 10)[1], flat)
+    keys = torch.nn.functional.normalize(torch.randn(4000, 32), dim=1) + 0.2
+    center, basis = index.fit_projection(keys)
+    first = index.build_first_stage(keys, center, basis)
+    assert type(first).__name__ == "IndexIVFScalarQuantizer" and first.ntotal == 4000
+    first.nprobe = first.nlist  # every list
+    probes = index.project(keys[:5] + 0.1, center, basis, queries=True)
+    flat = (keys @ (keys[:5] + 0.1).T).T.argsort(dim=1, descending=True)[:, :10]
+    found = first.search(probes, 10)[1]
+    shared = [len(set(f) & set(t.tolist())) / 10 for f, t in zip(found, flat, strict=True)]
+    assert np.mean(shared) >= 0.9
+
+
+def test_the_projection_keeps_inner_products() -> None:
+    """[(k - c) B, 1] . [q B, q . c] = k . q when B spans the keys' directions."""
+    keys = torch.randn(300, 16) + 3.0
+    center, basis = index.fit_projection(keys)
+    queries = torch.randn(7, 16)
+    projected = index.project(keys, center, basis, False) @ index.project(queries, center, basis,
+                                                                           True).T
+    assert np.allclose(projected, (keys @ queries.T).numpy(), atol=1e-3)
 
 
 def test_the_retrieval_command_searches_an_index(world: World, folder_index: Path, tmp_path: Path,

@@ -31,6 +31,7 @@ from trainer.registry import (
     ensemble_members,
     load_model_folder,
     main,
+    pyfunc_folder,
     register_from_run,
     register_model,
     save_ensemble,
@@ -228,6 +229,12 @@ def test_download_by_alias_and_version(store: tuple[Tracker, DeFragModel],
     assert_same_weights(model, saved[1] if uri.endswith("/1") else second)
 
 
+def logged_folder(tracker: Tracker, artifact_path: str) -> Path:
+    """The model folder a run logged under `artifact_path`, in the store's own files."""
+    artifacts = tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix("file://")
+    return pyfunc_folder(Path(artifacts) / artifact_path)
+
+
 @pytest.mark.parametrize(("uri", "message"), [
     ("models:/nope@champion", r"no registered model 'nope' .*registered: \['defrag'\]"),
     ("models:/defrag@best", r"model 'defrag' has no alias 'best'; aliases: \['champion'\]"),
@@ -244,8 +251,7 @@ def test_download_names_what_does_not_exist(store: tuple[Tracker, DeFragModel], 
 def test_download_refuses_an_altered_store_copy(store: tuple[Tracker, DeFragModel],
                                                 tmp_path: Path) -> None:
     tracker, _ = store
-    weights = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix(
-        "file://")) / "model" / VOCAB
+    weights = logged_folder(tracker, "model") / VOCAB
     original = weights.read_bytes()
     weights.write_bytes(original.replace(b"dog", b"cat"))
     try:
@@ -259,8 +265,7 @@ def test_download_refuses_an_altered_store_copy(store: tuple[Tracker, DeFragMode
 def test_download_refuses_an_incomplete_store_copy(store: tuple[Tracker, DeFragModel],
                                                    tmp_path: Path) -> None:
     tracker, _ = store
-    weights = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix(
-        "file://")) / "model-2" / WEIGHTS
+    weights = logged_folder(tracker, "model-2") / WEIGHTS
     moved = weights.rename(tmp_path / WEIGHTS)
     try:
         with pytest.raises(ModelFolderError, match=f"{WEIGHTS} is missing .incomplete copy"):

@@ -35,7 +35,7 @@ import multiprocessing
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,9 +71,13 @@ log = logging.getLogger(__name__)
 
 INDEX_FORMAT = 1
 UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
-IVF_FROM = 200_000  # items from which the first stage is an IVF index instead of an exact scan
+FIRST_STAGE_DIMS = 256  # principal directions of the first stage's keys (+ 1 column)
+PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
+IVF_FROM = 200_000  # keys from which the first stage is an IVF index instead of an exact scan
 IVF_PROBE = 32  # lists an IVF first stage searches
-CANDIDATES = 100  # first-stage candidates re-scored exactly (benchmarks/bench_search.py)
+KEY_CANDIDATES = 1000  # keys each query row finds (eq. 6; benchmarks/bench_search.py)
+CANDIDATES = 50  # items re-scored exactly (benchmarks/bench_search.py)
+EXACT_SENTENCES = 20_000  # sentence sets up to this size are scanned exactly (no first stage)
 MAX_QUERY_CHARS = 1000
 
 
@@ -93,38 +97,65 @@ class Hit:
 # ---------------------------------------------------------------- one side of an index
 
 
-def first_stage_vectors(fragments: FragmentSet, score: str) -> torch.Tensor:
-    """[n, d] one vector per item whose inner products rank like `score` (see module doc): the
-    mean of its rows, of unit length for the cosine score."""
+def first_stage_keys(fragments: FragmentSet, score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the first stage indexes, [N_key, d], and each key's item [N_key]: for eq. 6 every
+    fragment row (its threshold acts on each fragment pair, so an item's mean row ranks badly:
+    benchmarks/README.md), else each item's mean row (of unit length for the cosine score),
+    whose inner product with the query's is the model's score."""
+    if score == "eq6":
+        return fragments.embeddings, fragments.owner
     sums = torch.zeros(len(fragments.items), fragments.embeddings.shape[1])
-    for first in range(0, len(fragments.owner), 1 << 16):  # bounded float32 copies
-        rows = slice(first, first + (1 << 16))
-        sums.index_add_(0, fragments.owner[rows], fragments.embeddings[rows].float())
+    sums.index_add_(0, fragments.owner, fragments.embeddings.float())
     means = sums / fragments.counts.clamp(min=1)[:, None]
-    return torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
+    keys = torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
+    return keys, torch.arange(len(fragments.items))
 
 
-def build_first_stage(vectors: np.ndarray) -> faiss.Index:
-    """An inner-product faiss index over `vectors` [n, d]: exact below IVF_FROM items, else
-    IVF-Flat with sqrt(n) lists trained on a sample of 32 per list (searched with IVF_PROBE
-    lists)."""
-    n, d = vectors.shape
-    if n < IVF_FROM:
-        first = faiss.IndexFlatIP(d)
+def fit_projection(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean key and its FIRST_STAGE_DIMS principal directions [d, r] (of a sample)."""
+    sample = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))[
+        :PROJECTION_SAMPLE]].float()
+    center = sample.mean(0)
+    basis = torch.linalg.svd(sample - center, full_matrices=False).Vh[:FIRST_STAGE_DIMS].T
+    return center, basis.contiguous()
+
+
+def project(x: torch.Tensor, center: torch.Tensor, basis: torch.Tensor,
+            queries: bool) -> np.ndarray:
+    """Keys as [(k - c) B, 1] and queries as [q B, q . c]: their inner product is k . q up to
+    the directions left out (r + 1 float32 columns)."""
+    x = x.float()
+    last = x @ center if queries else torch.ones(len(x))
+    return torch.cat([(x if queries else x - center) @ basis, last[:, None]], 1).numpy()
+
+
+def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
+                      basis: torch.Tensor) -> faiss.Index:
+    """An inner-product faiss index of the projected keys: exact below IVF_FROM keys, else
+    IVF with 8-bit scalar quantisation (a quarter of the memory), sqrt(N) lists found through
+    HNSW, trained on a sample of 32 keys per list; keys projected a block at a time."""
+    total, dims = len(keys), basis.shape[1] + 1
+    blocks = range(0, total, 1 << 16)
+    if total < IVF_FROM:
+        first = faiss.IndexFlatIP(dims)
     else:
-        lists = int(np.sqrt(n))
-        first = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, lists, faiss.METRIC_INNER_PRODUCT)
+        lists = int(np.sqrt(total))
+        quantizer = faiss.IndexHNSWFlat(dims, 32, faiss.METRIC_INNER_PRODUCT)
+        first = faiss.IndexIVFScalarQuantizer(quantizer, dims, lists,
+                                              faiss.ScalarQuantizer.QT_8bit,
+                                              faiss.METRIC_INNER_PRODUCT)
         first.cp.niter = 10
-        sample = np.random.default_rng(0).choice(n, 32 * lists, replace=False)
-        first.train(np.ascontiguousarray(vectors[np.sort(sample)], dtype=np.float32))
-    first.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        sample = torch.randperm(total, generator=torch.Generator().manual_seed(1))[:32 * lists]
+        first.train(project(keys[sample.sort().values], center, basis, queries=False))
+    for begin in tqdm(blocks, desc="first stage", unit="block", disable=len(blocks) < 8):
+        first.add(project(keys[begin:begin + (1 << 16)], center, basis, queries=False))
     return first
-
 
 
 def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
     """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
-    vectors = first_stage_vectors(fragments, score)
+    keys, key_item = first_stage_keys(fragments, score)
+    center, basis = fit_projection(keys)
     start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
     start[1:] = fragments.counts.cumsum(0)
     scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude
@@ -135,9 +166,9 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
         scale[first:first + len(block)] = peak
         rows[first:first + len(block)] = (block / peak[:, None]).half()
     save_file({"rows": rows, "scale": scale, "start": start,
-               "detail": fragments.detail.contiguous(), "vectors": vectors.contiguous()},
-              folder / f"{stem}.safetensors")
-    faiss.write_index(build_first_stage(vectors.numpy()), str(folder / f"{stem}.faiss"))
+               "detail": fragments.detail.contiguous(), "key_item": key_item,
+               "center": center, "basis": basis}, folder / f"{stem}.safetensors")
+    faiss.write_index(build_first_stage(keys, center, basis), str(folder / f"{stem}.faiss"))
 
 
 def memory_map(path: Path) -> dict[str, np.ndarray]:
@@ -159,29 +190,60 @@ def memory_map(path: Path) -> dict[str, np.ndarray]:
 
 
 class Collection:
-    """One side of an opened index: its items, memory-mapped rows and first stage."""
+    """One side of an opened index: its items, memory-mapped rows and first stage. `norm` is
+    eq. 6's factor of an item with n rows: 1 / n for images, 1 / (n + smooth) for sentences."""
 
-    def __init__(self, folder: Path, stem: str, items: list[str]) -> None:
+    def __init__(self, folder: Path, stem: str, items: list[str], score: str,
+                 norm: Callable[[np.ndarray], np.ndarray], exact_up_to: int = 0) -> None:
         arrays = memory_map(folder / f"{stem}.safetensors")
-        self.items = items
+        self.items, self.score, self.norm = items, score, norm
         self.rows, self.scale = arrays["rows"], arrays["scale"]
         self.detail, self.start = arrays["detail"], arrays["start"]
+        self.key_item = np.asarray(arrays["key_item"])
+        self.center = torch.from_numpy(np.array(arrays["center"]))
+        self.basis = torch.from_numpy(np.array(arrays["basis"]))
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
         if isinstance(self.first, faiss.IndexIVF):
             self.first.nprobe = IVF_PROBE
-        if len(self.start) != len(items) + 1 or self.first.ntotal != len(items):
+        self.key_candidates = KEY_CANDIDATES
+        self.exact_up_to = exact_up_to  # up to this many items: every item is a candidate
+        self._everything: FragmentSet | None = None  # float32 rows of an exact collection
+        if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
             raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
                                  f"({len(items)} items): rebuild it with trainer.index")
 
-    def candidates(self, vector: torch.Tensor, k: int) -> np.ndarray:
-        """Positions of the k items whose first-stage vector scores highest with `vector` [d],
-        in index order (the exact scan's tie order)."""
-        _, found = self.first.search(vector.numpy()[None].astype(np.float32),
-                                     min(k, len(self.items)))
-        return np.sort(found[0][found[0] >= 0])
+    def candidates(self, query: FragmentSet, k: int) -> np.ndarray:
+        """Positions of the k items the first stage scores highest for `query` (one item), in
+        index order (the exact scan's tie order). For eq. 6 each query row finds its
+        key_candidates best keys (fragment rows), and an item scores the thresholded sum of
+        those it owns, normalised as eq. 6; otherwise the query's mean row finds k items.
+        A collection of at most `exact_up_to` items returns every item."""
+        if len(self.items) <= self.exact_up_to:
+            return np.arange(len(self.items))
+        keys, _ = first_stage_keys(query, self.score)
+        probes = project(keys, self.center, self.basis, queries=True)
+        found = min(self.key_candidates if self.score == "eq6" else k, self.first.ntotal)
+        scores, keys = self.first.search(probes, found)
+        keep = keys >= 0
+        items, scores = self.key_item[keys[keep]], scores[keep]
+        if self.score == "eq6":
+            counts = np.diff(self.start)
+            totals = np.bincount(items, np.maximum(scores, 0), minlength=len(self.items))
+            hit = np.flatnonzero(np.bincount(items, minlength=len(self.items)))
+            items, scores = hit, totals[hit] * self.norm(counts[hit])
+        best = np.argsort(-scores, kind="stable")[:k]
+        return np.sort(items[best])
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
-        """The items at `positions` with their rows in float32."""
+        """The items at `positions` with their rows in float32 (all of an exact collection's
+        rows are kept in memory once read)."""
+        if len(self.items) <= self.exact_up_to and len(positions) == len(self.items):
+            if self._everything is None:
+                self._everything = self._read(positions)
+            return self._everything
+        return self._read(positions)
+
+    def _read(self, positions: Sequence[int]) -> FragmentSet:
         counts = [int(self.start[p + 1] - self.start[p]) for p in positions]
         rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
                 if len(positions) else np.zeros(0, np.int64))
@@ -209,10 +271,14 @@ class SearchIndex:
     """An index opened for search with its model: sentence -> images, image -> sentences, and
     Figure 4 for a pair. Bad input raises RetrievalError with one line for the user."""
 
-    def __init__(self, folder: Path, meta: dict[str, Any], embedder: Embedder) -> None:
-        self.folder, self.meta, self.embedder = folder, meta, embedder
-        self.images = Collection(folder, "images", meta["images"])
-        self.sentence_set = (Collection(folder, "sentences", meta["sentences"])
+    def __init__(self, folder: Path, meta: dict[str, Any], embedder: Embedder,
+                 model_dir: Path) -> None:
+        self.folder, self.meta, self.embedder, self.model_dir = folder, meta, embedder, model_dir
+        objective = embedder.cfg.objective
+        self.images = Collection(folder, "images", meta["images"], objective.score,
+                                 lambda n: 1 / n)
+        self.sentence_set = (Collection(folder, "sentences", meta["sentences"], objective.score,
+                                        lambda n: 1 / (n + objective.smooth), EXACT_SENTENCES)
                              if meta["sentences"] else None)
         self.candidates = CANDIDATES
         self.position = {name: k for k, name in enumerate(meta["images"])}
@@ -238,7 +304,12 @@ class SearchIndex:
                                 f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
                                 f"({embedder.model_key[:16]}): rebuild the index with this "
                                 "model, or open it with its own")
-        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"]))
+        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"]), model)
+
+    def warm_up(self) -> None:
+        """Load the parser now (seconds), not at the first query."""
+        with self._parse:
+            parse_captions(["a dog"], self.embedder)
 
     @property
     def image_names(self) -> list[str]:
@@ -273,7 +344,7 @@ class SearchIndex:
                         candidates: int | None = None) -> list[Hit]:
         """The k best images for an embedded sentence (one item): the first stage's
         `candidates` (default self.candidates), then the model's score."""
-        found = self.images.candidates(self._vector(query), max(k, candidates or self.candidates))
+        found = self.images.candidates(query, max(k, candidates or self.candidates))
         scores = self._rank(self.images.select(found), query)[:, 0]
         return [Hit(self.images.items[found[i]], score, int(found[i]))
                 for i, score in top_k(scores, k)]
@@ -283,8 +354,7 @@ class SearchIndex:
         """The k best sentences for an embedded image (one item), as `images_for_rows`."""
         if self.sentence_set is None:
             raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
-        found = self.sentence_set.candidates(self._vector(image),
-                                             max(k, candidates or self.candidates))
+        found = self.sentence_set.candidates(image, max(k, candidates or self.candidates))
         scores = self._rank(image, self.sentence_set.select(found))[0]
         return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
                 for i, score in top_k(scores, k)]
@@ -319,9 +389,6 @@ class SearchIndex:
                                  f"triplet whose words and relation are in its vocabulary of "
                                  f"{words} words): rephrase it")
         return query
-
-    def _vector(self, fragments: FragmentSet) -> torch.Tensor:
-        return first_stage_vectors(fragments, self.embedder.cfg.objective.score)[0]
 
     def _rank(self, images: FragmentSet, sentences: FragmentSet) -> torch.Tensor:
         objective = self.embedder.cfg.objective

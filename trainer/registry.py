@@ -15,6 +15,13 @@ An ensemble folder holds member model folders (member-0, ...) and `ensemble.json
 checksums.json sha256 and weight); its image-sentence score is the weighted sum of its members'
 scores (by default their mean). A captioner folder (trainer/captioner.py) holds its encoder's
 model folder (`encoder/`) beside `captioner.json` and the language model's files.
+
+A registered version is an MLflow pyfunc model built from code (trainer/pyfunc_model.py, nothing
+pickled): `MLmodel`, the code file and the environment files, with the model folder as its
+artifact `model` (in `artifacts/<folder name>/`, as MLmodel records). So
+`mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve -m
+models:/defrag@champion --env-manager local` work, while `download` still gives the plain model
+folder that `--model DIR` reads.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ NOT_SAFETENSORS = {  # first bytes -> what the file is
     b"\x80": "a pickle (plain, or torch.save's legacy format)",
     b"\x93NUMPY": "a NumPy array file", b"\x89HDF": "an HDF5 file", b"\x1f\x8b": "a gzip file"}
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
+MLMODEL = "MLmodel"  # an MLflow model directory's description
+PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifacts
+PACKAGE = "defrag-trainer"  # this code's distribution: the pyfunc's pip requirement
 
 
 class ModelFolderError(ValueError):
@@ -372,13 +382,13 @@ def register_from_run(tracker: Tracker, folder: str | Path, name: str = "defrag"
 
 def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: str = "defrag",
                    alias: str = "champion", artifact_path: str = "model") -> str:
-    """Log `folder` as the run's `artifact_path` artifacts, register it as a new version of
-    `name` and point `alias` at it; returns the version. The same files registered again from
-    the same run (a finished run resumed, a job requeued after registering) reuse their version,
-    or their logged artifacts under another `name`."""
+    """Log `folder` as the run's `artifact_path` MLflow model (`log_pyfunc_model`), register it
+    as a new version of `name` and point `alias` at it; returns the version. The same files
+    registered again from the same run (a finished run resumed, a job requeued after
+    registering) reuse their version, or their logged artifacts under another `name`."""
     verify_model_folder(folder)
     if not client.list_artifacts(run_id, artifact_path):
-        client.log_artifacts(run_id, str(folder), artifact_path)
+        log_pyfunc_model(client, run_id, folder, artifact_path)
     elif not _logged_already(client, run_id, folder, artifact_path):
         raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
                          "new version must not share (and overwrite) an older version's")
@@ -392,8 +402,9 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
     except MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
-        client.create_registered_model(name, description="DeFrag fragment embeddings: "
-                                       "safetensors weights, JSON config and vocabulary")
+        client.create_registered_model(name, description="DeFrag fragment embeddings: an MLflow "
+                                       "pyfunc (from code) of a model folder: safetensors "
+                                       "weights, JSON config and vocabulary")
     version = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}",
                                           run_id=run_id).version
     client.set_registered_model_alias(name, alias, version)
@@ -426,12 +437,76 @@ def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | N
     return version
 
 
+def log_pyfunc_model(client: MlflowClient, run_id: str, folder: str | Path,
+                     artifact_path: str) -> None:
+    """Log `folder` as the run's `artifact_path`: an MLflow pyfunc model from code
+    (trainer/pyfunc_model.py) whose artifact `model` is the folder. Its pip requirements are this
+    package and its own, so MLflow infers nothing (inference imports the model, may ask PyPI)."""
+    import mlflow.pyfunc
+
+    from trainer import pyfunc_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp) / "pyfunc"
+        mlflow.pyfunc.save_model(
+            path=staging, python_model=pyfunc_model.__file__,
+            artifacts={PYFUNC_ARTIFACT: str(folder)}, signature=pyfunc_model.SIGNATURE,
+            input_example=pyfunc_model.INPUT_EXAMPLE, pip_requirements=_pip_requirements())
+        client.log_artifacts(run_id, str(staging), artifact_path)
+
+
+def _pip_requirements() -> list[str]:
+    """This package pinned, then its own (pinned) dependencies, from the installed metadata."""
+    from importlib import metadata
+
+    needs = [need for need in metadata.requires(PACKAGE) or [] if "extra ==" not in need]
+    return [f"{PACKAGE}=={metadata.version(PACKAGE)}", *needs]
+
+
+def pyfunc_folder(model_dir: Path) -> Path:
+    """The model folder of an MLflow model directory (its pyfunc artifact `model`); `model_dir`
+    itself when it has no MLmodel (a version registered before the pyfunc)."""
+    if not (model_dir / MLMODEL).is_file():
+        return model_dir
+    return model_dir / _artifact_path(model_dir / MLMODEL)
+
+
+def _artifact_path(mlmodel: Path) -> str:
+    """Where in its MLflow model directory an MLmodel file puts the pyfunc artifact `model`."""
+    from mlflow.models import Model
+
+    try:
+        relative = Model.load(mlmodel).flavors["python_function"]["artifacts"][PYFUNC_ARTIFACT][
+            "path"]
+    except (KeyError, TypeError) as err:
+        raise ModelFolderError(f"{mlmodel} names no pyfunc artifact {PYFUNC_ARTIFACT!r}: not a "
+                               "DeFrag model registered by trainer.registry") from err
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise ModelFolderError(f"{mlmodel}: the artifact {PYFUNC_ARTIFACT!r} is at {relative}, "
+                               "outside the model")
+    return relative
+
+
 def _logged_already(client: MlflowClient, run_id: str, folder: str | Path,
                     artifact_path: str) -> bool:
-    """Whether the run's `artifact_path` artifacts are `folder`'s files (same checksums.json)."""
+    """Whether the run's `artifact_path` holds `folder`'s files (same checksums.json): as its
+    pyfunc artifact, or (logged before the pyfunc) as the artifact_path itself."""
     with tempfile.TemporaryDirectory() as tmp:
-        logged = Path(client.download_artifacts(run_id, f"{artifact_path}/{CHECKSUMS}", tmp))
-        return logged.read_bytes() == (Path(folder) / CHECKSUMS).read_bytes()
+        logged = _logged_file(client, run_id, f"{artifact_path}/{MLMODEL}", Path(tmp))
+        inner = (f"{artifact_path}/{_artifact_path(logged)}" if logged is not None
+                 else artifact_path)
+        checksums = _logged_file(client, run_id, f"{inner}/{CHECKSUMS}", Path(tmp))
+        return (checksums is not None
+                and checksums.read_bytes() == (Path(folder) / CHECKSUMS).read_bytes())
+
+
+def _logged_file(client: MlflowClient, run_id: str, path: str, tmp: Path) -> Path | None:
+    """The run's artifact file `path` downloaded into `tmp`; None when the run has none (e.g. an
+    upload cut short)."""
+    parent = path.rpartition("/")[0]
+    if path not in {entry.path for entry in client.list_artifacts(run_id, parent)}:
+        return None
+    return Path(client.download_artifacts(run_id, path, str(tmp)))
 
 
 def _registered_before(client: MlflowClient, run_id: str, name: str,
@@ -451,6 +526,9 @@ def _registered_before(client: MlflowClient, run_id: str, name: str,
 def download_model(uri: str, dst: str | Path, tracking_uri: str | None = None) -> Path:
     """Download `models:/NAME@ALIAS` or `models:/NAME/VERSION` into the new folder `dst`, verified.
 
+    `dst` is the plain model folder (a version's pyfunc artifact, `pyfunc_folder`; a version
+    registered before the pyfunc is that folder already), so every `--model DIR` reads it as
+    before; the MLflow files around it are for `mlflow.pyfunc.load_model` and are not kept.
     The store is `tracking_uri`, else MLFLOW_TRACKING_URI. The files land beside `dst` first and
     are renamed into place only once they verify, so `dst` never holds a partial model.
     """
@@ -473,8 +551,8 @@ def download_model(uri: str, dst: str | Path, tracking_uri: str | None = None) -
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = dst.with_name(f".{dst.name}.download-{uuid.uuid4().hex[:8]}")
     try:
-        local = Path(mlflow.artifacts.download_artifacts(
-            artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri))
+        local = pyfunc_folder(Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri)))
         verify_model_folder(local)
         local.rename(dst)  # replaces an empty dst folder
     finally:

@@ -1,0 +1,280 @@
+"""trainer/serve.py, the search web app, as a real uvicorn server on 127.0.0.1 over the index of a
+small trained model (tests/search_world.py): a caption finds its image first, an indexed or
+uploaded image finds sentences, Figure 4 comes back as a PNG, /openapi.json documents the API;
+every bad input of issue #17 gets one clear 4xx line and the server answers afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import io
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+from PIL import Image
+
+import trainer.serve as serve
+from tests.search_world import SearchWorld, search_world, serving
+from trainer.files import CHECKSUMS
+from trainer.index import IndexMismatch, SearchIndex
+
+pytestmark = pytest.mark.slow
+UPLOAD_LIMIT = 64 * 1024  # the fixture server's --max-upload-mb: small, so a huge upload is cheap
+STATIC = Path(serve.__file__).parent / "static"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> SearchWorld:
+    return search_world(tmp_path_factory.getbasetemp() / "search-world")
+
+
+@pytest.fixture(scope="module")
+def index(world: SearchWorld) -> SearchIndex:
+    return SearchIndex.open(world.index)
+
+
+@pytest.fixture(scope="module")
+def url(index: SearchIndex) -> Iterator[str]:
+    with serving(serve.create_app(index, UPLOAD_LIMIT)) as base:
+        yield base
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One request with `path` sent exactly as given (requests would normalise `..`)."""
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def encoded(path: Path, kind: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.open(path).convert("RGB").save(out, format=kind)
+    return out.getvalue()
+
+
+def model_key(folder: Path) -> str:
+    return hashlib.sha256((folder / CHECKSUMS).read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- what the app answers
+
+
+def test_a_caption_finds_its_image_first(world: SearchWorld, url: str) -> None:
+    answer = requests.get(f"{url}/api/search", params={"q": world.query, "k": 3}).json()
+    assert answer["query"] == world.query
+    assert [hit["rank"] for hit in answer["results"]] == [1, 2, 3]
+    best = answer["results"][0]
+    assert best["image"] == world.expected
+    scores = [hit["score"] for hit in answer["results"]]
+    assert scores == sorted(scores, reverse=True) and scores[0] - scores[1] > world.margin / 2
+    picture = requests.get(url + best["url"])
+    assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
+    assert picture.content == (world.photos / world.expected).read_bytes()
+    assert requests.get(f"{url}/api/info").json() == {
+        "model": str(world.model_dir.resolve()), "model_key": model_key(world.model_dir),
+        "images": 8, "sentences": 40, "max_query_chars": 1000, "max_upload_bytes": UPLOAD_LIMIT,
+        "max_k": serve.MAX_K}
+
+
+def test_an_indexed_or_uploaded_image_finds_sentences(world: SearchWorld, index: SearchIndex,
+                                                      url: str) -> None:
+    indexed = requests.get(f"{url}/api/sentences",
+                           params={"image": world.expected, "k": 5}).json()
+    expected = index.sentences_for_image(world.expected, k=5)
+    assert [hit["sentence"] for hit in indexed["results"]] == [hit.item for hit in expected]
+    assert [hit["rank"] for hit in indexed["results"]] == [1, 2, 3, 4, 5]
+    # The same file uploaded: embedded again (the index keeps fp16 rows), the same sentences.
+    upload = requests.post(f"{url}/api/sentences", params={"k": 5},
+                           data=(world.photos / world.expected).read_bytes(),
+                           headers={"Content-Type": "image/png"}).json()
+    assert [hit["sentence"] for hit in upload["results"]] == [hit.item for hit in expected]
+    assert [hit["score"] for hit in upload["results"]] == pytest.approx(
+        [hit.score for hit in expected], abs=1e-2)
+    # A photo the index does not hold, as JPEG (the twin of an indexed scene).
+    twin = world.photos.parent / "source" / "images" / "val_00001.png"
+    answer = requests.post(f"{url}/api/sentences", data=encoded(twin, "JPEG"),
+                           headers={"Content-Type": "image/jpeg"})
+    assert answer.status_code == 200
+    assert len(answer.json()["results"]) == 10
+
+
+def test_explain_draws_figure_4(world: SearchWorld, url: str) -> None:
+    params = {"q": world.query, "image": world.expected}
+    picture = requests.get(f"{url}/api/explain", params=params)
+    assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
+    assert min(Image.open(io.BytesIO(picture.content)).size) > 0
+    details = requests.get(f"{url}/api/explain", params={**params, "format": "json"}).json()
+    assert (details["image"], details["sentence"]) == (world.expected, world.query)
+    assert details["fragments"] and all(
+        f["box"] == 0 and f["xyxy"] == [0, 0, 64, 64] for f in details["fragments"])
+
+
+def test_the_api_is_documented_and_nothing_comes_from_the_internet(url: str) -> None:
+    schema = requests.get(f"{url}/openapi.json").json()
+    endpoints = {(path, method) for path, methods in schema["paths"].items() for method in methods}
+    assert endpoints == {("/api/info", "get"), ("/api/search", "get"), ("/api/sentences", "get"),
+                         ("/api/sentences", "post"), ("/api/explain", "get"),
+                         ("/images/{name}", "get")}
+    for path, methods in schema["paths"].items():
+        for method, operation in methods.items():
+            assert operation["summary"] and operation["description"], (path, method)
+    upload = schema["paths"]["/api/sentences"]["post"]
+    assert "image/*" in upload["requestBody"]["content"]
+    assert {"400", "413", "415"} <= set(upload["responses"])
+    assert requests.get(f"{url}/docs").status_code == 404
+    assert requests.get(f"{url}/redoc").status_code == 404
+    page = requests.get(url)
+    assert page.status_code == 200 and "<title>DeFrag search</title>" in page.text
+    for name in ("index.html", "app.js", "style.css"):
+        assert requests.get(f"{url}/static/{name}").text == (STATIC / name).read_text()
+        assert not re.search(r"https?:|@import|url\(", (STATIC / name).read_text()), name
+
+
+def test_concurrent_searches_answer_as_one_at_a_time(world: SearchWorld, url: str) -> None:
+    """8 clients at once (the thread pool runs the model in parallel) get the serial answers."""
+    queries = [text for texts in world.captions.values() for text in texts]
+
+    def search(text: str) -> list[tuple[str, float]]:
+        answer = requests.get(f"{url}/api/search", params={"q": text, "k": 4}).json()
+        return [(hit["image"], round(hit["score"], 4)) for hit in answer["results"]]
+
+    serial = [search(text) for text in queries]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(search, queries)) == serial
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+LONG = "redcircles " * 910  # 10,010 characters
+
+
+@pytest.mark.parametrize("path, params, status, message", [
+    ("/api/search", {"q": ""}, 400, "the query is empty: type a sentence"),
+    ("/api/search", {"q": "   "}, 400, "the query is empty: type a sentence"),
+    ("/api/search", {"q": "xyzzy plugh"}, 400, "the query has no fragment the model knows"),
+    ("/api/search", {"q": LONG}, 400, "the query has 10009 characters; at most 1000 are searched"),
+    ("/api/search", {}, 422, "q: Field required"),
+    ("/api/search", {"q": "a red star", "k": 0}, 422, "k: Input should be greater than or equal"),
+    ("/api/search", {"q": "a red star", "k": 10**6}, 422, "k: Input should be less than or equal"),
+    ("/api/sentences", {"image": "../index.json"}, 400, "is not an image of this index"),
+    ("/api/explain", {"q": "a red star", "image": "nope.png"}, 400, "is not an image of this"),
+    ("/api/explain", {"q": "xyzzy", "image": "val_00000.png"}, 400, "no fragment the model"),
+    ("/api/explain", {"q": "a red star", "image": "val_00000.png", "format": "gif"}, 422,
+     "format: Input should be 'png' or 'json'"),
+], ids=["empty", "blank", "unknown-words", "10k-characters", "no-query", "k-0", "k-huge",
+        "unknown-image", "explain-unknown-image", "explain-unknown-words", "explain-format"])
+def test_a_bad_query_gets_one_clear_line(url: str, path: str, params: dict, status: int,
+                                          message: str) -> None:
+    answer = requests.get(url + path, params=params)
+    assert (answer.status_code, answer.headers["content-type"]) == (status, "application/json")
+    assert message in answer.json()["error"] and "\n" not in answer.json()["error"]
+    assert requests.get(f"{url}/api/info").status_code == 200
+
+
+@pytest.mark.parametrize("body, kind, status, message", [
+    (b"this is not an image", "image/png", 400,
+     "unusable image: the uploaded file is not an image file PIL can identify"),
+    (b"GIF89a" + bytes(30), "image/gif", 400, "unusable image: the uploaded file "),
+    ("gif", "image/gif", 400, "the uploaded file is GIF, not JPEG or PNG"),
+    (b"", "image/png", 400, "the upload is empty"),
+    (b"\x89PNG", "", 415, "with Content-Type image/jpeg or image/png (got none)"),
+    (b"\x89PNG", "text/plain", 415, "(got 'text/plain')"),
+    (b"x" * (UPLOAD_LIMIT + 1), "image/png", 413, "over the limit of 0.0625 MiB"),
+], ids=["not-an-image", "truncated-gif", "gif", "empty", "no-type", "text", "over-limit"])
+def test_a_bad_upload_gets_one_clear_line(world: SearchWorld, url: str, body: bytes | str,
+                                          kind: str, status: int, message: str) -> None:
+    if body == "gif":
+        body = encoded(world.photos / world.expected, "GIF")
+    headers = {"Content-Type": kind} if kind else {}
+    code, answer = raw(url, "POST", "/api/sentences", body, headers)
+    assert code == status and message in answer.decode(), answer
+    assert requests.get(f"{url}/api/info").status_code == 200
+
+
+def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:
+    """A Content-Length over the limit is refused before the body; a chunked body (no length)
+    as soon as it passes the limit, though it never ends."""
+    where = urlsplit(url)
+    for declared in (True, False):
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+        connection.putrequest("POST", "/api/sentences")
+        connection.putheader("Content-Type", "image/jpeg")
+        if declared:
+            connection.putheader("Content-Length", str(10**12))
+            connection.endheaders()
+        else:
+            connection.putheader("Transfer-Encoding", "chunked")
+            connection.endheaders()
+            chunk = b"x" * 8192
+            for _ in range(UPLOAD_LIMIT // len(chunk) + 1):
+                connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        response = connection.getresponse()
+        assert response.status == 413, declared
+        assert "over the limit" in response.read().decode()
+        connection.close()
+    assert requests.get(f"{url}/api/info").status_code == 200
+
+
+@pytest.mark.parametrize("path", [
+    "/images/..%2F..%2Fetc%2Fpasswd", "/images/../x", "/images/..", "/images/%2e%2e",
+    "/images/%2Fetc%2Fpasswd", "/images//etc/passwd", "/images/nope.png", "/images/",
+    "/images/val_00000.png%00.txt", "/images/..%2Findex%2Findex.json", "ABSOLUTE",
+], ids=lambda path: path.removeprefix("/images/") or "empty")
+def test_only_indexed_images_are_served(world: SearchWorld, url: str, path: str) -> None:
+    """Traversal, encoded or not, absolute paths (ABSOLUTE: an indexed file's), unknown names."""
+    if path == "ABSOLUTE":
+        path = "/images/" + str(world.photos / world.expected).replace("/", "%2F")
+    status, body = raw(url, "GET", path)
+    assert status == 404 and b'"error"' in body and b"root:" not in body
+    assert requests.get(f"{url}/api/info").status_code == 200
+
+
+def test_a_failure_is_one_line_too(index: SearchIndex, url: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a search answers 500 with its one line; the next search is served."""
+    def broken(text: str, k: int) -> None:
+        raise TypeError("something is wrong")
+
+    monkeypatch.setattr(index, "images_for", broken)
+    answer = requests.get(f"{url}/api/search", params={"q": "a red star"})
+    assert answer.status_code == 500
+    assert answer.json() == {"error": "internal error: TypeError: something is wrong"}
+    monkeypatch.undo()
+    assert requests.get(f"{url}/api/search", params={"q": "a red star"}).status_code == 200
+
+
+def test_another_model_is_refused_naming_both_checksums(world: SearchWorld) -> None:
+    built, other = model_key(world.model_dir)[:16], model_key(world.other_model_dir)[:16]
+    with pytest.raises(IndexMismatch, match=f"{built}.*{other}"):
+        SearchIndex.open(world.index, model=world.other_model_dir)
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--index", str(world.index), "--model", str(world.other_model_dir)])
+    line = str(exit_.value.code)
+    assert line.startswith("python -m trainer.serve: error: index ") and "\n" not in line
+    assert built in line and other in line
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--index", str(world.photos)])
+    assert "is not a search index" in str(exit_.value.code)
+
+
+def test_the_command_serves_on_localhost_by_default(world: SearchWorld,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    started = {}
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, host, port: started.update(
+        app=app, host=host, port=port))
+    serve.main(["--index", str(world.index)])
+    assert (started["host"], started["port"]) == ("127.0.0.1", 8000)
+    with serving(started["app"]) as base:
+        assert requests.get(f"{base}/api/info").json()["max_upload_bytes"] == 10 * 2**20

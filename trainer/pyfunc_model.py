@@ -1,0 +1,160 @@
+"""A registered DeFrag model as an MLflow pyfunc, built from code (MLflow's "models from code"):
+`trainer.registry.register_model` logs this file with the model folder as the artifact `model`,
+so `mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve` work and
+nothing is pickled (the weights load from safetensors, their checksums verified).
+
+`predict` takes a DataFrame whose rows each hold a `sentence` (text) or an `image` (the bytes of
+a JPEG or PNG file, base64-encoded) and answers one row per input row:
+- without params: `fragments`, the row's fragment vectors [n][d] (a whole-sentence encoder's
+  sentence: its one row); `mean`, their mean [d] (zeros without fragments); `boxes`, an image's
+  fragment boxes [n][4] (x1, y1, x2, y2 in the image's pixels; null for a sentence);
+- with params {"index": "/path/to/index", "k": 10} (an index built by `python -m trainer.index`
+  with this model): `hits`, the k best images of the index for a sentence, or its k best
+  sentences for an image, each {"item", "score", "position"}, best first.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature, set_model
+from mlflow.protos.databricks_pb2 import NOT_IMPLEMENTED
+from mlflow.pyfunc import PythonModel, PythonModelContext
+from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+from featurizer.parsing import ParserUnavailable
+from trainer.embedder import Embedder, RetrievalError, embed_images, embed_sentences, load_embedder
+from trainer.fragment_set import FragmentSet
+from trainer.registry import (
+    PYFUNC_ARTIFACT,
+    ensemble_members,
+    is_captioner,
+    is_ensemble,
+    verify_model_folder,
+)
+
+DEFAULT_K = 10
+SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
+    inputs=Schema([ColSpec("string", "sentence", required=False),
+                   ColSpec("string", "image", required=False)]),
+    params=ParamSchema([ParamSpec("index", "string", None), ParamSpec("k", "long", DEFAULT_K)]))
+INPUT_EXAMPLE = pd.DataFrame({"sentence": ["a brown dog runs on the grass"]})  # MLflow shows it
+
+
+class DeFragPyfunc(PythonModel):
+    """A model folder's embeddings of sentences and images, and searches of its indexes (see the
+    module docstring). One request at a time: the parsers are not known to be thread-safe."""
+
+    def load_context(self, context: PythonModelContext) -> None:
+        """Load and verify the artifact model folder; an ensemble or a captioner folder is only
+        verified (`predict` says what to use instead)."""
+        self.folder = Path(context.artifacts[PYFUNC_ARTIFACT])
+        self.indexes: dict[str, Any] = {}  # opened SearchIndex by path
+        self.lock = threading.Lock()
+        self.embedder: Embedder | None = None
+        if is_ensemble(self.folder):
+            verify_model_folder(self.folder)
+            self.unsupported = (f"an ensemble of {len(ensemble_members(self.folder))} models",
+                                "python -m trainer.retrieve or trainer.evaluate")
+        elif is_captioner(self.folder):
+            verify_model_folder(self.folder)
+            self.unsupported = ("a captioner", "python -m trainer.caption")
+        else:
+            self.embedder = load_embedder(self.folder, None, None, None)
+
+    def predict(self, context: PythonModelContext, model_input: pd.DataFrame,
+                params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """One output row per input row (see the module docstring)."""
+        if self.embedder is None:
+            what, tool = self.unsupported
+            raise MlflowException(f"this model is {what}: its pyfunc neither embeds nor searches; "
+                                  "download it (python -m trainer.registry download) and use "
+                                  f"{tool}", NOT_IMPLEMENTED)
+        params = params or {}
+        k = DEFAULT_K if params.get("k") is None else int(params["k"])
+        if k < 1:
+            raise MlflowException.invalid_parameter_value(f"k is {k}: ask for 1 or more results")
+        rows = [_query(number, row) for number, row in enumerate(model_input.to_dict("records"))]
+        with self.lock, tempfile.TemporaryDirectory() as tmp:
+            images = _image_files(rows, Path(tmp))
+            try:
+                if params.get("index"):
+                    return self._search(rows, images, str(params["index"]), k)
+                return self._embed(rows, images)
+            except RetrievalError as err:
+                raise MlflowException.invalid_parameter_value(str(err)) from err
+            except ParserUnavailable as err:  # the server's set-up: its message says what to do
+                raise MlflowException(str(err)) from err
+
+    def _embed(self, rows: list[tuple[str, Any]], images: dict[int, Path]) -> pd.DataFrame:
+        """Each row's fragments, their mean and (images) their boxes."""
+        found: dict[int, tuple[FragmentSet, int, bool]] = {}  # row -> its embedded set, item
+        sentences = [number for number, (kind, _) in enumerate(rows) if kind == "sentence"]
+        if sentences:
+            embedded = embed_sentences([rows[n][1] for n in sentences], self.embedder)
+            found |= {n: (embedded, item, False) for item, n in enumerate(sentences)}
+        if images:
+            embedded, _ = embed_images(list(images.values()), self.embedder, skip_bad=False)
+            found |= {n: (embedded, item, True) for item, n in enumerate(images)}
+        return pd.DataFrame([_vectors(*found[number]) for number in range(len(rows))])
+
+    def _search(self, rows: list[tuple[str, Any]], images: dict[int, Path], index: str,
+                k: int) -> pd.DataFrame:
+        """Each row's k best hits in the index: images for a sentence, sentences for an image."""
+        from trainer.index import SearchIndex  # faiss: only for searches
+
+        if index not in self.indexes:  # refused (IndexMismatch) when another model built it
+            self.indexes[index] = SearchIndex.open(Path(index), model=self.folder)
+        opened = self.indexes[index]
+        hits = [opened.images_for(value, k) if kind == "sentence"
+                else opened.sentences_for_file(images[number], k)
+                for number, (kind, value) in enumerate(rows)]
+        return pd.DataFrame({"hits": [[{"item": hit.item, "score": hit.score,
+                                        "position": hit.position} for hit in found]
+                                      for found in hits]})
+
+
+def _query(number: int, row: dict[str, Any]) -> tuple[str, Any]:
+    """("sentence", text) or ("image", file bytes) of one input row, or a clear error."""
+    given = {name: row[name] for name in ("sentence", "image")
+             if name in row and isinstance(row[name], str)}
+    if len(given) != 1:
+        raise MlflowException.invalid_parameter_value(
+            f"row {number} holds {sorted(given) or 'neither'}: give each row a sentence or an "
+            "image (base64 of a JPEG or PNG file)")
+    kind, value = next(iter(given.items()))
+    if kind == "image":
+        try:
+            value = base64.b64decode(value, validate=True)
+        except binascii.Error as err:
+            raise MlflowException.invalid_parameter_value(
+                f"row {number}: the image is not base64 ({err})") from err
+    return kind, value
+
+
+def _image_files(rows: list[tuple[str, Any]], folder: Path) -> dict[int, Path]:
+    """The image rows' bytes written to files in `folder` (the embedder reads files), by row."""
+    files = {}
+    for number, (kind, value) in enumerate(rows):
+        if kind == "image":
+            files[number] = folder / f"row-{number}"
+            files[number].write_bytes(value)
+    return files
+
+
+def _vectors(fragments: FragmentSet, item: int, image: bool) -> dict[str, Any]:
+    """An item's output row: its fragment vectors, their mean, its boxes (images only)."""
+    embeddings, detail = fragments.of(item)
+    mean = embeddings.mean(0) if len(embeddings) else embeddings.new_zeros(embeddings.shape[1])
+    return {"fragments": embeddings.tolist(), "mean": mean.tolist(),
+            "boxes": detail.tolist() if image else None}
+
+
+set_model(DeFragPyfunc())
