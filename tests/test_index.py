@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +143,8 @@ def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
             raise KeyboardInterrupt
         return embed_unit(unit)
 
-    argv = ["--model", world.model_dir, "--images", world.images, "--out", tmp_path / "index",
+    images = Path(shutil.copytree(world.images, tmp_path / "images"))
+    argv = ["--model", world.model_dir, "--images", images, "--out", tmp_path / "index",
             "--workers", "1"]
     monkeypatch.setattr(index, "_embed_unit", dies_on_the_third)
     with pytest.raises(KeyboardInterrupt):
@@ -149,8 +152,9 @@ def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
     assert not (tmp_path / "index" / "index.json").exists()
     monkeypatch.setattr(index, "_embed_unit", embed_unit)
     caplog.set_level(logging.INFO, logger="trainer.index")
+    os.utime(images / world.names[1], ns=(0, 0))  # changed since: its unit is embedded again
     resumed = build(*argv)
-    assert "resuming: 2 of 4 units embedded already" in caplog.text
+    assert "resuming: 1 of 4 units embedded already" in caplog.text
     assert not (tmp_path / "index" / "parts").exists()
     fresh = build(*argv[:-3], tmp_path / "fresh", "--workers", "1")
     assert resumed["images"] == fresh["images"]

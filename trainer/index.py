@@ -17,7 +17,8 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
   --sentences file, else the captions of --shards.
 - `files/`: the images of a --shards collection (a folder collection is served from its folder).
 - `parts/`: while building, each finished unit (256 files, or one shard); a rerun of the same
-  command resumes from them, and they are removed once the index is written.
+  command resumes from them (a file changed since is embedded again with its unit), and they
+  are removed once the index is written.
 
 Search is two-stage: faiss returns the `candidates` items whose first-stage vector scores highest
 with the query's (the mean of an item's rows: eq. 6 without its threshold; for the cosine and
@@ -403,7 +404,7 @@ class Unit:
     """A unit of work of the builder: some files of a folder, or one shard."""
 
     number: int
-    files: tuple[str, ...] = ()
+    files: tuple[tuple[str, int, int], ...] = ()  # (name, size, mtime_ns): a changed file is new
     shard: Shard | None = None
 
     @property
@@ -412,7 +413,7 @@ class Unit:
 
     def describe(self) -> dict[str, Any]:
         return ({"shard": dataclasses.asdict(self.shard)} if self.shard
-                else {"files": list(self.files)})
+                else {"files": [list(stamp) for stamp in self.files]})
 
 
 _WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
@@ -434,7 +435,7 @@ def _embed_unit(unit: Unit) -> tuple[int, int]:
         images, sentences, origins, problems = _shard_unit(unit.shard, embedder, out / "files",
                                                            _WORKER["options"])
     else:
-        paths = [_WORKER["image_folder"] / name for name in unit.files]
+        paths = [_WORKER["image_folder"] / name for name, _, _ in unit.files]
         images, bad = embed_images(paths, embedder, skip_bad=True, progress=False)
         sentences, origins, problems = None, [], list(bad.values())
     parts = out / "parts"
@@ -505,9 +506,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if args.images:
         folder = Path(args.images).resolve()
-        names = [path.name for path in list_images(folder)]
-        units = [Unit(u, tuple(names[first:first + UNIT_FILES]))
-                 for u, first in enumerate(range(0, len(names), UNIT_FILES))]
+        stamps = [(path.name, stat.st_size, stat.st_mtime_ns)
+                  for path in list_images(folder) for stat in [path.stat()]]
+        units = [Unit(u, tuple(stamps[first:first + UNIT_FILES]))
+                 for u, first in enumerate(range(0, len(stamps), UNIT_FILES))]
         source, image_folder = {"images": str(folder)}, folder
     else:
         split = locate_split(args.shards, args.split, args.manifest)
