@@ -99,7 +99,9 @@ class SyntheticRows:
 
     def __init__(self, real: torch.Tensor, count: int) -> None:
         self.real, self.count = real, count
-        self.noise = 0.5 * real.std(0)
+        generator = torch.Generator().manual_seed(0)  # one block of noise, shuffled per block
+        self.noise = 0.5 * real.std(0) * torch.randn(self.BLOCK, real.shape[1],
+                                                     generator=generator)
 
     def __len__(self) -> int:
         return self.count
@@ -108,8 +110,8 @@ class SyntheticRows:
         generator = torch.Generator().manual_seed(number)
         size = min(self.BLOCK, self.count - number * self.BLOCK)
         picked = torch.randint(len(self.real), (size,), generator=generator)
-        return self.real[picked] + self.noise * torch.randn(size, self.real.shape[1],
-                                                            generator=generator)
+        return self.real[picked] + self.noise[torch.randperm(self.BLOCK, generator=generator)[
+            :size]]
 
     def __getitem__(self, rows: slice | torch.Tensor) -> torch.Tensor:
         if isinstance(rows, slice):

@@ -198,14 +198,18 @@ def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
         assert np.array_equal(np.asarray(mapped[name]), tensor.numpy()), name
 
 
-def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above IVF_FROM keys: IVF with 8-bit codes. Searching every list finds the flat scan's
-    best keys of the projected space (up to the codes' rounding)."""
+@pytest.mark.parametrize("sq8_from,kind", [(10**9, "IndexIVFFlat"),
+                                            (1000, "IndexIVFScalarQuantizer")])
+def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.MonkeyPatch,
+                                                      sq8_from: int, kind: str) -> None:
+    """Above IVF_FROM keys: IVF, with 8-bit codes above SQ8_FROM. Searching every list finds
+    the flat scan's best keys of the projected space (up to the codes' rounding)."""
     monkeypatch.setattr(index, "IVF_FROM", 1000)
+    monkeypatch.setattr(index, "SQ8_FROM", sq8_from)
     keys = torch.nn.functional.normalize(torch.randn(4000, 32), dim=1) + 0.2
     center, basis = index.fit_projection(keys)
     first = index.build_first_stage(keys, center, basis)
-    assert type(first).__name__ == "IndexIVFScalarQuantizer" and first.ntotal == 4000
+    assert type(first).__name__ == kind and first.ntotal == 4000
     first.nprobe = first.nlist  # every list
     probes = index.project(keys[:5] + 0.1, center, basis, queries=True)
     flat = (keys @ (keys[:5] + 0.1).T).T.argsort(dim=1, descending=True)[:, :10]

@@ -75,6 +75,7 @@ UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume p
 FIRST_STAGE_DIMS = 256  # principal directions of the first stage's keys (+ 1 column)
 PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
 IVF_FROM = 200_000  # keys from which the first stage is an IVF index instead of an exact scan
+SQ8_FROM = 5_000_000  # keys from which the IVF keeps 8-bit codes instead of float32
 IVF_PROBE = 32  # lists an IVF first stage searches
 KEY_CANDIDATES = 1000  # keys each query row finds (eq. 6; benchmarks/bench_search.py)
 CANDIDATES = 50  # items re-scored exactly (benchmarks/bench_search.py)
@@ -132,21 +133,23 @@ def project(x: torch.Tensor, center: torch.Tensor, basis: torch.Tensor,
 
 def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
                       basis: torch.Tensor) -> faiss.Index:
-    """An inner-product faiss index of the projected keys: exact below IVF_FROM keys, else
-    IVF with 8-bit scalar quantisation (a quarter of the memory), sqrt(N) lists found through
-    HNSW, trained on a sample of 32 keys per list; keys projected a block at a time."""
+    """An inner-product faiss index of the projected keys: exact below IVF_FROM keys, else IVF
+    with 2 sqrt(N) lists found through HNSW, trained on a sample of 40 keys per list, the keys
+    kept as float32 (the fastest scan) or, from SQ8_FROM keys, as 8-bit codes (a quarter of the
+    memory, ~4x slower to scan); keys projected a block at a time."""
     total, dims = len(keys), basis.shape[1] + 1
     blocks = range(0, total, 1 << 16)
     if total < IVF_FROM:
         first = faiss.IndexFlatIP(dims)
     else:
-        lists = int(np.sqrt(total))
+        lists = int(2 * np.sqrt(total))
         quantizer = faiss.IndexHNSWFlat(dims, 32, faiss.METRIC_INNER_PRODUCT)
-        first = faiss.IndexIVFScalarQuantizer(quantizer, dims, lists,
-                                              faiss.ScalarQuantizer.QT_8bit,
-                                              faiss.METRIC_INNER_PRODUCT)
+        first = (faiss.IndexIVFFlat(quantizer, dims, lists, faiss.METRIC_INNER_PRODUCT)
+                 if total < SQ8_FROM else faiss.IndexIVFScalarQuantizer(
+                     quantizer, dims, lists, faiss.ScalarQuantizer.QT_8bit,
+                     faiss.METRIC_INNER_PRODUCT))
         first.cp.niter = 10
-        sample = torch.randperm(total, generator=torch.Generator().manual_seed(1))[:32 * lists]
+        sample = torch.randperm(total, generator=torch.Generator().manual_seed(1))[:40 * lists]
         first.train(project(keys[sample.sort().values], center, basis, queries=False))
     for begin in tqdm(blocks, desc="first stage", unit="block", disable=len(blocks) < 8):
         first.add(project(keys[begin:begin + (1 << 16)], center, basis, queries=False))

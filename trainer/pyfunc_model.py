@@ -24,28 +24,21 @@ from typing import Any
 
 import pandas as pd
 from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature, set_model
+from mlflow.models import set_model
 from mlflow.protos.databricks_pb2 import NOT_IMPLEMENTED
 from mlflow.pyfunc import PythonModel, PythonModelContext
-from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
 from featurizer.parsing import ParserUnavailable
 from trainer.embedder import Embedder, RetrievalError, embed_images, embed_sentences, load_embedder
 from trainer.fragment_set import FragmentSet
 from trainer.registry import (
+    DEFAULT_K,
     PYFUNC_ARTIFACT,
     ensemble_members,
     is_captioner,
     is_ensemble,
     verify_model_folder,
 )
-
-DEFAULT_K = 10
-SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
-    inputs=Schema([ColSpec("string", "sentence", required=False),
-                   ColSpec("string", "image", required=False)]),
-    params=ParamSchema([ParamSpec("index", "string", None), ParamSpec("k", "long", DEFAULT_K)]))
-INPUT_EXAMPLE = pd.DataFrame({"sentence": ["a brown dog runs on the grass"]})  # MLflow shows it
 
 
 class DeFragPyfunc(PythonModel):

@@ -39,9 +39,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlflow.artifacts
+import mlflow.pyfunc
+import pandas as pd
 from mlflow import MlflowClient
 from mlflow.environment_variables import MLFLOW_TRACKING_URI
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
 from defrag.cli import add_debug_flag, one_line_errors
 from trainer.config import Config, ModelConfig
@@ -74,6 +78,13 @@ MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<vers
 MLMODEL = "MLmodel"  # an MLflow model directory's description
 PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifacts
 PACKAGE = "defrag-trainer"  # this code's distribution: the pyfunc's pip requirement
+PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")  # the pyfunc's code (models from code)
+DEFAULT_K = 10  # results of a pyfunc search without params k
+SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
+    inputs=Schema([ColSpec("string", "sentence", required=False),
+                   ColSpec("string", "image", required=False)]),
+    params=ParamSchema([ParamSpec("index", "string", None), ParamSpec("k", "long", DEFAULT_K)]))
+INPUT_EXAMPLE = pd.DataFrame({"sentence": ["a brown dog runs on the grass"]})  # MLflow shows it
 
 
 class ModelFolderError(ValueError):
@@ -442,16 +453,12 @@ def log_pyfunc_model(client: MlflowClient, run_id: str, folder: str | Path,
     """Log `folder` as the run's `artifact_path`: an MLflow pyfunc model from code
     (trainer/pyfunc_model.py) whose artifact `model` is the folder. Its pip requirements are this
     package and its own, so MLflow infers nothing (inference imports the model, may ask PyPI)."""
-    import mlflow.pyfunc
-
-    from trainer import pyfunc_model
-
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp) / "pyfunc"
         mlflow.pyfunc.save_model(
-            path=staging, python_model=pyfunc_model.__file__,
-            artifacts={PYFUNC_ARTIFACT: str(folder)}, signature=pyfunc_model.SIGNATURE,
-            input_example=pyfunc_model.INPUT_EXAMPLE, pip_requirements=_pip_requirements())
+            path=staging, python_model=str(PYFUNC_CODE), artifacts={PYFUNC_ARTIFACT: str(folder)},
+            signature=SIGNATURE, input_example=INPUT_EXAMPLE,
+            pip_requirements=_pip_requirements())
         client.log_artifacts(run_id, str(staging), artifact_path)
 
 
