@@ -4,8 +4,8 @@ uploaded photo lists sentences, a click on a photo opens Figure 4, an API error 
 the page; the browser console stays free of errors.
 
 Without Chromium the tests are skipped, unless DEFRAG_REQUIRE_CHROMIUM=1 (set by .ci/run) turns
-the skip into a failure. DEFRAG_SCREENSHOT=PATH saves the page after a search (docs/search-app.png
-is made so)."""
+the skip into a failure. DEFRAG_SCREENSHOT=PATH saves the page after a search of the generated
+photos (docs/search-app.png shows the same page over the Flickr8k dev index)."""
 
 from __future__ import annotations
 
