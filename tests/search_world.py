@@ -21,20 +21,15 @@ import torch
 import uvicorn
 
 import trainer.index
-from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+from tests.small_training import train_small
 from tests.test_arithmetic import one_thread
-from trainer.checkpoint import TrainState
-from trainer.config import Config
-from trainer.distributed import DistContext
 from trainer.embedder import embed_images, embed_sentences, load_embedder
 from trainer.fragment_set import rank
 from trainer.model import DeFragModel
 from trainer.registry import load_model_folder, save_model_folder
-from trainer.tracking import Tracker
-from trainer.train import Trainer
 
 NUM_TRAIN, NUM_VAL, EPOCHS = 300, 16, 10
 MIN_MARGIN = 0.5  # the chosen caption's own image beats the next one by this much (eq. 6)
@@ -88,20 +83,7 @@ def build_world(root: Path) -> SearchWorld:
 
 def train_fragments(shards: Path, run_dir: Path) -> Path:
     """The paper's fragments model (eq. 6 scores) trained with the CNN fixed; its best folder."""
-    cfg = Config.from_dict({
-        "model": {"embed_dim": 64, "word_dim": 32, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 200},
-        "optim": {"batch_size": 20, "lr": 0.01, "epochs": EPOCHS, "frozen_cnn_epochs": EPOCHS,
-                  "anneal_last_epochs": 0},
-        "run": {"run_dir": str(run_dir)},
-    })
-    run_dir.mkdir(parents=True)
-    torch.manual_seed(cfg.seed)
-    vocab = Vocabulary.load(shards / "vocab.json")
-    model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed)
-    Trainer(cfg, DistContext(0, 1, 0, torch.device("cpu")), model, vocab,
-            Tracker(None, None, None), TrainState()).fit()
-    return run_dir / "best"
+    return train_small(shards, run_dir, EPOCHS, lr=0.01)
 
 
 def clearest_caption(model_dir: Path, photos: Path, captions: dict[str, list[str]]

@@ -24,19 +24,13 @@ import pytest
 import torch
 
 import trainer.retrieve as retrieve
-from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
+from tests.small_training import train_small
 from trainer.arithmetic import arithmetic_scores, term_vectors
-from trainer.checkpoint import TrainState
-from trainer.config import Config
-from trainer.distributed import DistContext
 from trainer.embedder import embed_images, load_embedder
 from trainer.fragment_set import top_k
-from trainer.model import DeFragModel
-from trainer.tracking import Tracker
-from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow
 TOP = 10  # the images of each query that are checked for the added colour
@@ -67,23 +61,9 @@ def train_linear(shards: Path, run_dir: Path, epochs: int) -> Path:
     """A linear-encoder model trained with Kiros et al.'s objective (cosine scores, C_G alone)
     with VSE++'s hardest negatives (they ground the colour words better in runs this small),
     the CNN fixed; its best model folder."""
-    cfg = Config.from_dict({
-        "model": {"sentence_encoder": "linear", "embed_dim": 64, "word_dim": 32,
-                  "image_size": 64, "train_word_vectors": True},
-        "objective": {"use_fragment": False, "score": "cosine", "margin": 0.2,
-                      "hardest_negative": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 200},
-        "optim": {"batch_size": 20, "lr": 0.05, "epochs": epochs, "frozen_cnn_epochs": epochs,
-                  "anneal_last_epochs": 0},
-        "run": {"run_dir": str(run_dir)},
-    })
-    run_dir.mkdir(parents=True)
-    torch.manual_seed(cfg.seed)
-    vocab = Vocabulary.load(shards / "vocab.json")
-    model = DeFragModel.from_config(cfg.model, vocab, seed=cfg.seed)
-    Trainer(cfg, DistContext(0, 1, 0, torch.device("cpu")), model, vocab,
-            Tracker(None, None, None), TrainState()).fit()
-    return run_dir / "best"
+    return train_small(shards, run_dir, epochs, lr=0.05, model={"sentence_encoder": "linear"},
+                       objective={"use_fragment": False, "score": "cosine", "margin": 0.2,
+                                  "hardest_negative": True})
 
 
 def colour_swaps(model_dir: Path, images: Path, colours: dict[str, set[str]]) -> dict:

@@ -1,17 +1,18 @@
-"""A collection embedded once for search: every image's fragments (and sentences') on disk, with
-one compact vector per item for a faiss first stage; what the web app and the retrieval CLI search.
+"""A collection embedded once for search: every image's fragments (and sentences') on disk, and
+a faiss first stage over them; what the web app, the retrieval CLI and the MLflow pyfunc search.
 
     python -m trainer.index --model DIR --images FOLDER --out INDEX [--sentences FILE]
     python -m trainer.index --model DIR --shards URL --split val --out INDEX
 
 The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled):
 - `index.json`: what was embedded with what (the model folder's checksums key, box source,
-  parser, the collection's source), the items, the first stage; written last.
+  parser, the collection's source), the items; written last.
 - `images.safetensors`: the fragments, each image's consecutive: `rows` fp16 [N, d] times
   `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
   int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
-  in the file's pixels; `vectors` float32 [n, d], the first-stage vectors. Memory-mapped.
-- `images.faiss`: the first stage over `vectors` (exact inner product; IVF from IVF_FROM items).
+  in the file's pixels; the first stage's `key_item` (each key's image) and projection
+  (`center`, `basis`). Memory-mapped at search.
+- `images.faiss`: the first stage over the projected keys (`build_first_stage`).
 - `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
   fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
   --sentences file, else the captions of --shards.
@@ -20,10 +21,11 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
   command resumes from them (a file changed since is embedded again with its unit), and they
   are removed once the index is written.
 
-Search is two-stage: faiss returns the `candidates` items whose first-stage vector scores highest
-with the query's (the mean of an item's rows: eq. 6 without its threshold; for the cosine and
-inner scores of whole-sentence encoders, exactly the model's score), then the model's own score
-(`trainer.fragment_set.rank`, eq. 6 as evaluation computes it) orders them.
+Search is two-stage (docs/design.md section 11): the first stage's keys are the fragment rows
+for eq. 6 (each query fragment finds its KEY_CANDIDATES best, an item scores the thresholded
+sum of those it owns) or each item's mean row for the cosine and inner scores (their inner
+product is the model's score); the CANDIDATES best items are then ranked by the model's own
+score (`trainer.fragment_set.rank`, as evaluation computes it).
 """
 
 from __future__ import annotations
