@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
+from trainer.batch import owners
 from trainer.embedder import (
     IMAGE_BATCH,
     Embedder,
@@ -66,6 +67,7 @@ from trainer.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
 from trainer.explain import explain, explain_words
 from trainer.files import write_atomically
 from trainer.fragment_set import FragmentSet, rank, top_k
+from trainer.objectives import owner_means
 from trainer.reader import BadSample, Notes, ReadOptions, shard_samples
 from trainer.registry import ensemble_members, is_ensemble
 from trainer.shardset import Shard, locate_split
@@ -108,9 +110,7 @@ def first_stage_keys(fragments: FragmentSet, score: str) -> tuple[torch.Tensor, 
     whose inner product with the query's is the model's score."""
     if score == "eq6":
         return fragments.embeddings, fragments.owner
-    sums = torch.zeros(len(fragments.items), fragments.embeddings.shape[1])
-    sums.index_add_(0, fragments.owner, fragments.embeddings.float())
-    means = sums / fragments.counts.clamp(min=1)[:, None]
+    means = owner_means(fragments.embeddings.float(), fragments.owner, len(fragments.items))
     keys = torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
     return keys, torch.arange(len(fragments.items))
 
@@ -206,6 +206,7 @@ class Collection:
         self.rows, self.scale = arrays["rows"], arrays["scale"]
         self.detail, self.start = arrays["detail"], arrays["start"]
         self.key_item = np.asarray(arrays["key_item"])
+        self.counts = np.diff(self.start)  # rows of each item
         self.center = torch.from_numpy(np.array(arrays["center"]))
         self.basis = torch.from_numpy(np.array(arrays["basis"]))
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
@@ -233,10 +234,8 @@ class Collection:
         keep = keys >= 0
         items, scores = self.key_item[keys[keep]], scores[keep]
         if self.score == "eq6":
-            counts = np.diff(self.start)
-            totals = np.bincount(items, np.maximum(scores, 0), minlength=len(self.items))
-            hit = np.flatnonzero(np.bincount(items, minlength=len(self.items)))
-            items, scores = hit, totals[hit] * self.norm(counts[hit])
+            items, owner = np.unique(items, return_inverse=True)
+            scores = np.bincount(owner, np.maximum(scores, 0)) * self.norm(self.counts[items])
         best = np.argsort(-scores, kind="stable")[:k]
         return np.sort(items[best])
 
@@ -250,13 +249,12 @@ class Collection:
         return self._read(positions)
 
     def _read(self, positions: Sequence[int]) -> FragmentSet:
-        counts = [int(self.start[p + 1] - self.start[p]) for p in positions]
         rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
                 if len(positions) else np.zeros(0, np.int64))
-        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         return FragmentSet([self.items[p] for p in positions],
                            torch.from_numpy(self.rows[rows].astype(np.float32)
-                                            * self.scale[rows][:, None]), owner,
+                                            * self.scale[rows][:, None]),
+                           owners([int(self.counts[p]) for p in positions]),
                            torch.from_numpy(np.array(self.detail[rows])))
 
 
@@ -426,10 +424,16 @@ _WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_sta
 
 def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
                   options: ReadOptions, threads: int) -> None:
+    """A builder process: its threads, its own copy of the model (`_use`)."""
     torch.set_num_threads(threads)
     embedder = _load(model, None, None, parser)
-    _WORKER.update(embedder=dataclasses.replace(embedder, boxes=boxes), out=out,
-                   image_folder=image_folder, options=options)
+    _use(dataclasses.replace(embedder, boxes=boxes), out, image_folder, options)
+
+
+def _use(embedder: Embedder, out: Path, image_folder: Path | None,
+         options: ReadOptions) -> None:
+    """What `_embed_unit` embeds with and where it writes, in this process."""
+    _WORKER.update(embedder=embedder, out=out, image_folder=image_folder, options=options)
 
 
 def _embed_unit(unit: Unit) -> tuple[int, int]:
@@ -470,8 +474,7 @@ def _shard_unit(shard: Shard, embedder: Embedder, files: Path, options: ReadOpti
             [image.size[0], image.size[1]] * 2, np.float32) / embedder.decoder.image_size)
             for image in decoded]
         parts.append(FragmentSet([image.image_id for image in decoded], v,
-                                 torch.repeat_interleave(torch.arange(len(boxes)), torch.tensor(
-                                     [len(b) for b in boxes])), torch.cat(boxes)))
+                                 owners([len(b) for b in boxes]), torch.cat(boxes)))
         decoded.clear()
 
     for sample in shard_samples(shard, options, notes):
@@ -529,18 +532,19 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if len(todo) < len(units):
         log.info("resuming: %d of %d units embedded already", len(units) - len(todo), len(units))
     options = ReadOptions(verify="local")
-    settings = (args.model, embedder.boxes, embedder.parser_name, out, image_folder, options)
     with tqdm(total=sum(unit.size for unit in units), initial=sum(
             unit.size for unit in units if unit not in todo), desc="index images",
             unit="img") as bar:
         if args.workers <= 1 or len(todo) <= 1:
-            _start_worker(*settings, torch.get_num_threads())
+            _use(embedder, out, image_folder, options)
             for unit in todo:
                 bar.update(_embed_unit(unit)[1])
         else:
             threads = max(1, (os.cpu_count() or 1) // args.workers)
             context = multiprocessing.get_context("spawn")
-            with context.Pool(args.workers, _start_worker, (*settings, threads)) as pool:
+            settings = (args.model, embedder.boxes, embedder.parser_name, out, image_folder,
+                        options, threads)
+            with context.Pool(args.workers, _start_worker, settings) as pool:
                 for _, size in pool.imap_unordered(_embed_unit, todo):
                     bar.update(size)
     return _write_index(out, units, key, embedder, args, image_folder)
@@ -609,8 +613,7 @@ def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
     """The sentences of a --sentences file, parsed and embedded 256 at a time."""
     parts = []
     for first in tqdm(range(0, len(texts), 256), desc="index sentences", unit="x256"):
-        with torch.no_grad():
-            parts.append(embed_sentences(texts[first:first + 256], embedder))
+        parts.append(embed_sentences(texts[first:first + 256], embedder))
     return FragmentSet.concat(parts)
 
 

@@ -31,6 +31,7 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 from featurizer.parsing import ParserUnavailable
 from trainer.embedder import Embedder, RetrievalError, embed_images, embed_sentences, load_embedder
 from trainer.fragment_set import FragmentSet
+from trainer.index import SearchIndex
 from trainer.registry import (
     DEFAULT_K,
     PYFUNC_ARTIFACT,
@@ -94,15 +95,14 @@ class DeFragPyfunc(PythonModel):
             embedded = embed_sentences([rows[n][1] for n in sentences], self.embedder)
             found |= {n: (embedded, item, False) for item, n in enumerate(sentences)}
         if images:
-            embedded, _ = embed_images(list(images.values()), self.embedder, skip_bad=False)
+            embedded, _ = embed_images(list(images.values()), self.embedder, skip_bad=False,
+                                       progress=False)
             found |= {n: (embedded, item, True) for item, n in enumerate(images)}
         return pd.DataFrame([_vectors(*found[number]) for number in range(len(rows))])
 
     def _search(self, rows: list[tuple[str, Any]], images: dict[int, Path], index: str,
                 k: int) -> pd.DataFrame:
         """Each row's k best hits in the index: images for a sentence, sentences for an image."""
-        from trainer.index import SearchIndex  # faiss: only for searches
-
         if index not in self.indexes:  # refused (IndexMismatch) when another model built it
             self.indexes[index] = SearchIndex.open(Path(index), model=self.folder)
         opened = self.indexes[index]
