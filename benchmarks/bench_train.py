@@ -1,12 +1,16 @@
-"""Trainer step throughput on CPU: 1 and 2 processes, CNN frozen (phase 1) and finetuned (phase 2),
-and the finetuning step's overhead over the bare CNN forward + backward on the same boxes.
+"""Trainer step throughput: 1 and 2 CPU processes (or one GPU), CNN frozen (phase 1) and
+finetuned (phase 2), and the finetuning step's overhead over the bare CNN forward + backward on
+the same boxes.
 
 The floor is measured in the same run: RoIAlign region features of the batch's boxes, summed and
 backpropagated through the CNN (the work a finetuning step cannot avoid). The step adds the
 sentence encoder, W_m, the gather, the objective and the SGD update.
 
     python benchmarks/bench_train.py [--shards DIR --val-split dev] [--batch 100]
-        [--image-size 224] [--steps 6] [--processes 1 2]
+        [--image-size 224] [--steps 6] [--processes 1 2] [--device cuda [--bf16]]
+
+On a GPU (--device cuda: one process) the step also runs under bf16 autocast with --bf16, as
+run.bf16 does, and every timed region ends with a device synchronization.
 """
 
 from __future__ import annotations
@@ -36,17 +40,21 @@ from trainer.train import Trainer
 from trainer.train_loader import make_train_loader
 
 
-def make_config(shards: str, batch: int, image_size: int, val_split: str) -> Config:
+def make_config(shards: str, batch: int, image_size: int, val_split: str, device: str,
+                bf16: bool) -> Config:
     return Config.from_dict({
         "model": {"embed_dim": 1000, "image_size": image_size},
         "data": {"shards": shards, "workers": 0, "val_split": val_split},
         "optim": {"batch_size": batch, "lr": 0.001, "frozen_cnn_epochs": 1, "epochs": 2},
+        "run": {"device": device, "bf16": bf16},
     })
 
 
 def seconds(fn, batch) -> float:
     start = time.perf_counter()
     fn(batch)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -60,14 +68,16 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    cfg = make_config(shards, args.batch, args.image_size, args.val_split)
+    cfg = make_config(shards, args.batch, args.image_size, args.val_split, args.device, args.bf16)
     vocab = load_vocabulary(cfg.data)
-    ctx = DistContext(rank, world_size, rank, torch.device("cpu"))
-    trainer = Trainer(cfg, ctx, DeFragModel.from_config(cfg.model, vocab), vocab,
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    ctx = DistContext(rank, world_size, rank, device)
+    trainer = Trainer(cfg, ctx, DeFragModel.from_config(cfg.model, vocab).to(device), vocab,
                       Tracker(None, None, None), TrainState())
     loader, _ = make_train_loader(cfg, vocab, rank, world_size)
-    batches = [b.to("cpu") for _, b in zip(range(args.steps + 1), loader, strict=False)]
-    out = {"processes": world_size, "pairs_per_step": args.batch,
+    batches = [b.to(device) for _, b in zip(range(args.steps + 1), loader, strict=False)]
+    out = {"processes": world_size, "device": str(device), "bf16": cfg.run.bf16,
+           "pairs_per_step": args.batch,
            "images_per_step": sum(len(b.image_ids) for b in batches) / len(batches) * world_size}
     trainer.start_epoch(0)  # phase 1, a later epoch: every box's features are cached
     trainer.model.train()
@@ -79,8 +89,10 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
     trainer.model.train()
 
     def bare_cnn(batch):
-        trainer.model.image.region_features(batch.images, batch.boxes,
-                                            batch.box_image).sum().backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.run.bf16):
+            features = trainer.model.image.region_features(batch.images, batch.boxes,
+                                                           batch.box_image)
+        features.float().sum().backward()
         trainer.model.zero_grad(set_to_none=True)
 
     # Finetuning steps and bare CNN passes alternate batch by batch, so a slower or faster
@@ -117,7 +129,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
     args = parser.parse_args()
+    if args.device == "cuda" and args.processes != [1]:
+        parser.error("--device cuda measures one process on one GPU: add --processes 1")
     with tempfile.TemporaryDirectory() as tmp:
         shards = args.shards or synthetic_shards(Path(tmp))
         rows = []
@@ -126,7 +142,8 @@ def main() -> None:
             mp.spawn(measure, args=(world_size, shards, args, results), nprocs=world_size)
             rows.append(dict(results))
     for r in rows:
-        print(f"{r['processes']} process(es), {r['pairs_per_step']} pairs "
+        print(f"{r['processes']} process(es) on {r['device']}{' bf16' if r['bf16'] else ''}, "
+              f"{r['pairs_per_step']} pairs "
               f"({r['images_per_step']:.0f} images)/step: frozen {r['frozen_steps_per_s']:.2f} "
               f"steps/s {r['frozen_images_per_s']:.1f} img/s; finetune "
               f"{r['finetune_steps_per_s']:.2f} steps/s {r['finetune_images_per_s']:.1f} img/s; "

@@ -1,7 +1,11 @@
-"""Fixtures shared by the test files: a small real shard set of the synthetic dataset."""
+"""Fixtures shared by the test files: a small real shard set of the synthetic dataset.
+
+DEFRAG_TEST_SHARDS names such a set made beforehand (the command below), for a machine without
+the featurizer's parser, such as a GPU machine running tests/test_cuda.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,8 @@ NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
+    if os.environ.get("DEFRAG_TEST_SHARDS"):
+        return Path(os.environ["DEFRAG_TEST_SHARDS"])
     root = tmp_path_factory.mktemp("synthetic")
     jsonl = generate(root / "source", NUM_TRAIN, NUM_VAL, seed=0)
     featurize(read_jsonl(jsonl, jsonl.parent, "train"),

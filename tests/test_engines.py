@@ -60,7 +60,7 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
     first_shard = locate_split(cfg.data.shards, "train").shards[:1]
     images = list(read_images(first_shard, SampleDecoder.from_config(cfg, vocab)))
     batch = collate([images[i].pairs()[c] for i, c in pair_ids])
-    model = DeFragModel.from_config(cfg.model, vocab, seed=0)
+    model = DeFragModel.from_config(cfg.model, vocab, seed=0).to(ctx.device)  # as trainer.main
     trainer = Trainer(cfg, ctx, model, vocab, Tracker(None, None, None), TrainState())
     trainer.start_epoch(epoch)
     trainer.model.train()

@@ -12,7 +12,7 @@ import torch
 from defrag.backbones import build_backbone
 from defrag.vocab import Vocabulary
 from trainer.config import ModelConfig
-from trainer.model import DeFragModel, ImageEncoder, SentenceEncoder
+from trainer.model import DeFragModel, ImageEncoder, SentenceEncoder, cnn_batch_size
 from trainer.wordvecs import embedding_matrix, load_word_vectors
 
 # ---------------------------------------------------------------- sentence fragments (eq. 1)
@@ -278,6 +278,44 @@ def test_frozen_cnn_keeps_batchnorm_statistics(lite0) -> None:
     with torch.no_grad():
         encoder(images(2, 64), BOXES[:3], BOX_IMAGE[:3])
     assert torch.equal(bn.running_mean, before)
+
+
+def test_cnn_batch_sizes_are_few_and_waste_little() -> None:
+    sizes = [cnn_batch_size(rows) for rows in range(1, 5000)]
+    assert all(size >= rows and size <= rows * 1.125 for rows, size in enumerate(sizes, 1))
+    assert sizes == sorted(sizes)
+    assert len({cnn_batch_size(rows) for rows in range(61, 89)}) == 4  # images of 100 pairs
+    assert len({cnn_batch_size(rows) for rows in range(1025, 2049)}) == 8  # crops
+
+
+@pytest.mark.parametrize("mode,freeze", [("roi", True), ("crop", True), ("roi", False)])
+def test_padded_cnn_passes_change_nothing(lite0, mode: str, freeze: bool) -> None:
+    """The CNN batch padded with zero images (on CUDA) gives the unpadded features and
+    gradients; with BatchNorm on batch statistics (freeze_batchnorm off) nothing is padded."""
+    torch.manual_seed(0)
+    boxes = torch.rand(41, 4) * 32
+    boxes[:, 2:] += 32
+    box_image = torch.arange(41) % 19  # 19 images (padded to 20), 41 crops (to 44)
+    results = []
+    for pad in (False, True):
+        torch.manual_seed(1)  # the same W_m
+        encoder = ImageEncoder(copy.deepcopy(lite0), 16, region_mode=mode, crop_size=32,
+                               freeze_batchnorm=freeze).train()
+        encoder.pad_batches = pad
+        seen: list[int] = []
+        hook = encoder.backbone.features.register_forward_hook(
+            lambda module, args, out, seen=seen: seen.append(len(args[0])))
+        v = encoder(images(19, 64), boxes, box_image)
+        hook.remove()
+        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+        results.append((v, [p.grad for p in encoder.parameters() if p.grad is not None], seen))
+    (v, grads, seen), (v_pad, grads_pad, seen_pad) = results
+    assert seen == [19 if mode == "roi" else 41]
+    assert seen_pad == [seen[0] if not freeze else 20 if mode == "roi" else 44]
+    torch.testing.assert_close(v_pad, v, rtol=1e-4, atol=1e-5)
+    assert len(grads) == len(grads_pad) > 40
+    for a, b in zip(grads_pad, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_image_encoder_rejects_unknown_region_mode(lite0) -> None:

@@ -29,6 +29,18 @@ REGION_MODES = ("roi", "crop")
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
+def cnn_batch_size(rows: int) -> int:
+    """`rows` rounded up to three significant bits (at most 12.5% more): the batch sizes a CNN
+    pass is padded to on CUDA. cuDNN prepares its kernels for every new input shape, and the
+    number of images (or crops) per step varies: on an H200 each new size cost 4-5 s in
+    EfficientNet-Lite0's forward + backward, against 12-22 ms once prepared
+    (benchmarks/README.md, "GPU checks")."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class ImageEncoder(nn.Module):
     """Eq. 2: a CNN over each box, then the linear map W_m into the fragment space."""
 
@@ -48,6 +60,7 @@ class ImageEncoder(nn.Module):
         self.roi_output_size = roi_output_size
         self.freeze_batchnorm = freeze_batchnorm
         self.mean_pool = mean_pool
+        self.pad_batches: bool | None = None  # pad CNN passes to cnn_batch_size; None: on CUDA
         self.cnn_trainable = True
         # The ImageNet classifier is not part of eq. 2: never trained (DDP would wait for its
         # gradients forever).
@@ -76,7 +89,7 @@ class ImageEncoder(nn.Module):
         pixels = self.backbone.normalize(images)
         if self.region_mode == "roi":
             # One CNN pass per image, then RoIAlign on its feature map (~20x cheaper than crops).
-            grid = torchvision.ops.roi_align(self.backbone.features(pixels), rois,
+            grid = torchvision.ops.roi_align(self._cnn(pixels), rois,
                                              output_size=self.roi_output_size,
                                              spatial_scale=1.0 / self.backbone.stride,
                                              aligned=True)
@@ -84,7 +97,19 @@ class ImageEncoder(nn.Module):
         # crop (the paper): warp every box to crop_size x crop_size pixels, one CNN pass each.
         crops = torchvision.ops.roi_align(pixels, rois, output_size=self.crop_size, aligned=True)
         crops = crops.contiguous(memory_format=torch.channels_last)
-        return self.backbone.pool(self.backbone.features(crops))
+        return self.backbone.pool(self._cnn(crops))
+
+    def _cnn(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The CNN's feature maps of `pixels`, passed padded with zero images to
+        `cnn_batch_size` rows where `pad_batches` says so (never while a BatchNorm layer uses
+        batch statistics, which the padding would change)."""
+        rows = len(pixels)
+        pad = cnn_batch_size(rows) - rows
+        if (not (pixels.is_cuda if self.pad_batches is None else self.pad_batches) or pad == 0
+                or any(module.training for module in self._batchnorms())):
+            return self.backbone.features(pixels)
+        padded = torch.cat([pixels, pixels.new_zeros(pad, *pixels.shape[1:])])
+        return self.backbone.features(padded.contiguous(memory_format=torch.channels_last))[:rows]
 
     def project(self, features: torch.Tensor, box_image: torch.Tensor) -> torch.Tensor:
         """W_m features + b_m (eq. 2): CNN features [Nv, feature_dim] -> [Nv, embed_dim].

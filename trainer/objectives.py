@@ -345,10 +345,15 @@ def all_gather_rows(x: Tensor, sizes: list[int], group: dist.ProcessGroup | None
     group = group or dist.group.WORLD
     longest = max(sizes)
     padded = torch.cat([x, x.new_zeros(longest - len(x), *x.shape[1:])])
-    gathered = funcol.all_gather_single(padded.contiguous(), 0, group)
+    gathered = _all_gather_single(padded.contiguous(), 0, group)
     lengths = torch.tensor(sizes, device=x.device)
     keep = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]
     return gathered[keep.flatten()]
+
+
+# torch 2.11 and older (the stock image of many GPU clusters) name the differentiable gather
+# all_gather_tensor_autograd; later versions deprecate that name.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
 
 
 def sum_over_ranks(x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
