@@ -93,6 +93,9 @@ FRAGMENTS = ["model.sentence_encoder=fragments", "model.embed_dim=1000", "model.
              "objective.use_fragment=true", "objective.mil=true", "optim.momentum=0.9",
              "optim.weight_decay=0.0001", "optim.lr=0.01", "optim.batch_size=100",
              "optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
+# The quality rows above all read one Lite2 vector, so an ensemble of them shares its errors:
+# the same models on another CNN's vector (EfficientNet-Lite0 at 224 px, cached features).
+LITE0_WHOLE = ["model.backbone=efficientnet_lite0", "model.image_size=224"]
 
 
 @dataclass
@@ -193,6 +196,11 @@ ROWS = {
     "fragments_whole": Row("DeFrag fragments (triplets, eq. 6, C_F + C_G, MIL), whole image",
                            FRAGMENTS, config=WHOLE_CONFIG, shards=WHOLE_SHARDS),
 }
+ROWS.update({f"{name}_lite0": Row(f"{ROWS[name].title}, EfficientNet-Lite0",
+                                  [*ROWS[name].overrides, *LITE0_WHOLE], config=WHOLE_CONFIG,
+                                  shards=WHOLE_SHARDS)
+             for name in ("kiros_lstm_tuned", "kiros_linear_tuned", "linear_random", "gru",
+                          "fragments_whole")})
 
 
 @dataclass
