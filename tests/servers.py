@@ -33,9 +33,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # never wait on a handler at exit; `stopping` wakes the stalled ones
 
-    def __init__(self, folder: HttpFolder, faults: dict, drop_times: int, *args) -> None:
+    def __init__(self, folder: HttpFolder, faults: dict, drop_times: int, drop_delay: float,
+                 *args) -> None:
         super().__init__(*args)
         self.folder, self.faults, self.drop_times = folder, faults, drop_times
+        self.drop_delay = drop_delay
         self.stopping = threading.Event()
 
     def handle_error(self, request, client_address) -> None:
@@ -74,19 +76,19 @@ class _Handler(SimpleHTTPRequestHandler):
             size = os.fstat(body.fileno()).st_size
             self.wfile.write(body.read(size // 2 if nbytes is None else nbytes))
         self.wfile.flush()
-        if stall:
-            self.server.stopping.wait()
+        self.server.stopping.wait(None if stall else self.server.drop_delay)
         self.close_connection = True
         self.connection.shutdown(socket.SHUT_RDWR)  # the client sees the body cut short
 
 
 @contextmanager
 def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
-                 drop_times: int = 1, missing: set[str] | None = None,
+                 drop_times: int = 1, drop_delay: float = 0.0, missing: set[str] | None = None,
                  stall: set[str] | None = None) -> Iterator[HttpFolder]:
     """Serve `root` on 127.0.0.1 at a free port; fault keys are paths relative to `root`.
 
-    drop_after[path] = n: send n body bytes and hang up, for the first `drop_times` requests.
+    drop_after[path] = n: send n body bytes and hang up `drop_delay` s later, for the first
+    `drop_times` requests.
     missing: answer 404. stall: send half the body, then hold the connection until exit."""
     faults = {"drop_after": dict(drop_after or {}), "missing": set(missing or ()),
               "stall": set(stall or ())}
@@ -95,7 +97,7 @@ def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
     def handler(*args) -> _Handler:
         return _Handler(*args, directory=str(root))
 
-    server = _Server(folder, faults, drop_times, ("127.0.0.1", 0), handler)
+    server = _Server(folder, faults, drop_times, drop_delay, ("127.0.0.1", 0), handler)
     folder.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               daemon=True)

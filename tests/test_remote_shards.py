@@ -111,13 +111,16 @@ def test_a_dropped_connection_is_read_again_from_where_it_broke(
         shards: Path, big_shards: Path, caplog: pytest.LogCaptureFixture, where: str) -> None:
     """The transfer of one shard breaks once: the reader opens it again and skips the samples
     it already gave (none when the break comes before curl's whole output has been read, as
-    with a 30 kB shard), and the epoch's batches are the local ones."""
+    with a 30 kB shard; mid-shard, the server holds the cut connection for 2 s first, so that a
+    reader slowed by a busy machine has read what came before the break), and the epoch's
+    batches are the local ones."""
     folder = shards if where == "first sample" else big_shards
     shard = "train/shard-000001.tar"
     cut = 3000 if where == "first sample" else (folder / shard).stat().st_size * 3 // 4
     words = Vocabulary.load(folder / "vocab.json")
     local = epoch_batches(folder, words, world_size=1, workers=0)  # read here: caplog sees it
-    with serve_folder(folder, drop_after={shard: cut}, drop_times=1) as server:
+    delay = 0.0 if where == "first sample" else 2.0
+    with serve_folder(folder, drop_after={shard: cut}, drop_times=1, drop_delay=delay) as server:
         with caplog.at_level("WARNING", logger="trainer.reader"):
             remote = epoch_batches(server.url, words, world_size=1, workers=0)
         log = list(server.log)
