@@ -4,7 +4,8 @@
 #      DeepSpeed), bf16 autocast;
 #   2. an end-to-end `torchrun -m trainer.main` on NCCL with bf16, streaming the shards from a
 #      web server on 127.0.0.1, then trainer.evaluate on the GPU from the same URL;
-#   3. benchmarks/bench_train.py on the GPU, float32 and bf16.
+#   3. benchmarks/bench_train.py on the GPU, float32 and bf16;
+#   4. benchmarks/bench_cnn_batch.py: a new CNN batch size's first pass, padded and not.
 # Usage: bash benchmarks/cuda_check.sh TEST_SHARDS BENCH_SHARDS [LOGS]
 #   TEST_SHARDS: `python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`;
 #   BENCH_SHARDS: `python -m featurizer synthetic --num-train 200 --num-val 20 --shard-size 50`.
@@ -40,4 +41,7 @@ for precision in "" "--bf16"; do
     python benchmarks/bench_train.py --shards "$bench_shards" --device cuda --processes 1 \
         --steps 10 $precision 2>&1 | tail -2 | head -1 || status=1
 done
+
+echo "== 4. bench_cnn_batch on the GPU"
+python benchmarks/bench_cnn_batch.py --device cuda 2>&1 | tail -3 | head -2 || status=1
 exit $status
