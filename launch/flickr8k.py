@@ -5,6 +5,8 @@ evaluate -> tables.
     .venv/bin/python launch/flickr8k.py               # every row; finished stages are skipped
     .venv/bin/python launch/flickr8k.py full devise   # only these rows
     .venv/bin/python launch/flickr8k.py --list        # the rows and their config overrides
+    .venv/bin/python launch/flickr8k.py --score linear_random linear_random_lite0 \
+        --fused fragments_whole                      # a trained subset's dev figures
 
 Two instances may run different rows at once (e.g. with OMP_NUM_THREADS=1 each on 2 cores).
 
@@ -295,11 +297,26 @@ def dev_scores(name: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+def mean_scores(members: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The members' mean dev score matrix (an ensemble of weight 1 each)."""
+    return sum(m["scores"] for m in members) / len(members)
+
+
+def score_on_dev(ensemble: Ensemble) -> dict:
+    """An ensemble's dev figures from its rows' saved score matrices, without building it (with
+    a fused row: its weight chosen on dev, and the rsum of each candidate weight)."""
+    if ensemble.fused:
+        weight, rsums, metrics = fusion_weight(ensemble)
+        return {**metrics, "fused_weight": weight, "fusion_rsum": rsums}
+    members = [dev_scores(name) for name in ensemble.members]
+    return retrieval_metrics(mean_scores(members), members[0]["sentence_image"])
+
+
 def fusion_weight(ensemble: Ensemble) -> tuple[float, dict[str, float], dict[str, float]]:
     """The fused row's weight that maximises dev rsum (FUSION_WEIGHTS, in units of the global
     scores' spread over the fused scores'), the rsum of each candidate, the best's metrics."""
     members = [dev_scores(name) for name in ensemble.members]
-    mean = sum(m["scores"] for m in members) / len(members)
+    mean = mean_scores(members)
     fused = dev_scores(ensemble.fused)["scores"]
     scale = float(mean.std() / fused.std())
     rsums = {f"{w:g}": retrieval_metrics(mean + w * scale * fused,
@@ -369,7 +386,16 @@ def main() -> None:
     parser.add_argument("rows", nargs="*", help=f"rows and ensembles to run (default: all): "
                         f"{', '.join([*ROWS, *ENSEMBLES])}")
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
+    parser.add_argument("--score", nargs="+", metavar="ROW",
+                        help="print the dev figures of these trained rows' mean score, from their "
+                             "saved matrices (nothing is trained, built or registered)")
+    parser.add_argument("--fused", metavar="ROW",
+                        help="with --score: fuse this row's scores, its weight chosen on dev")
     args = parser.parse_args()
+    if args.score:
+        os.chdir(ROOT)
+        print(json.dumps(score_on_dev(Ensemble("--score", args.score, args.fused))))
+        return
     if args.list:
         for name, row in ROWS.items():
             print(f"{name:10} {' '.join(row.overrides)}")
