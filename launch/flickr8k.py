@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.evaluate import retrieval_metrics
+from trainer.preemption import DONE as PREEMPTED
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -270,9 +271,13 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
         if any(vectors in item for item in row.overrides) and not (ROOT / vectors).is_file():
             run([str(BIN / "python"), "-m", "featurizer", "wordvecs", "--shards", row.shards,
                  "--out", vectors, "--dim", str(dim)])
+    (ROOT / run_dir / PREEMPTED).unlink(missing_ok=True)  # an earlier stop's, resumed now
     train_s = run([str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.main",
                    "--config", row.config, "--resume", "latest", f"run.run_dir={run_dir}",
                    *row.overrides, *register_as(name)], ROOT / run_dir / "train.log")
+    if (ROOT / run_dir / PREEMPTED).is_file():  # stopped on request, with a checkpoint
+        raise SystemExit(f"{name}: the training stopped on request ({run_dir}/train.log); run "
+                         "the same command to resume it")
     out = evaluate_on_dev(run_dir / "best", row.shards, run_dir / DEV_SCORES)
     history = [json.loads(line) for line in (ROOT / run_dir / "history.jsonl").open()]
     results[name] = {"title": row.title, "config": row.config, "overrides": row.overrides,
