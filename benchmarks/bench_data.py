@@ -13,7 +13,12 @@ and a rank's start-up time and memory as the training set grows (target: flat).
 (a') the loader processes alone: the same shards streamed and decoded by --workers loader
     processes whose chunks this process receives and drops (no pairing, shuffling, collation):
     what a loader process delivers when the training process does not share the machine's two
-    cores with it (on a GPU node the training process has cores of its own).
+    cores with it (on a GPU node the training process has cores of its own). Its decode share
+    is the CPU time spent in decode + resize inside the loader processes (a timer around each
+    image's decoding) over their whole CPU time: measured at the same moment in the same
+    processes, it is free of the drift below, and 1 - share is the loader's own overhead.
+(a'') for comparison, open_clip's data pipeline over the same shards (webdataset's DataPipeline
+    in torch DataLoader workers, batches of --batch-size images), with the same per-sample work.
 ratio = loader images/s / (workers x plain images/s); cpu ratio = plain CPU per image / loader-
 process CPU per image (the ratio a loader process reaches on a core of its own). This VM's speed
 drifts by 20% within seconds, so every loader measurement is bracketed by two plain passes over
@@ -39,9 +44,11 @@ flat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import io
 import json
+import multiprocessing
 import os
 import resource
 import socket
@@ -50,10 +57,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 import webdataset as wds
 from PIL import Image
 
@@ -61,11 +70,13 @@ from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+from trainer.batch import CaptionedImage
 from trainer.config import Config
 from trainer.loader_processes import Chunk, run_in_processes
 from trainer.reader import (
     CHUNK_IMAGES,
     PREFETCH_CHUNKS,
+    SampleDecoder,
     decode_image,
     image_chunks,
 )
@@ -117,11 +128,31 @@ def time_loader_epoch(loader: TrainLoader, epoch: int) -> dict:
             "main_cpu_ms": (time.process_time() - cpu) / len(seen) * 1e3}
 
 
+class TimedDecoder(SampleDecoder):
+    """The loader's decoder, adding the CPU time its decoding takes (in whichever process runs
+    it) to a shared counter."""
+
+    def __init__(self, decoder: SampleDecoder, seconds) -> None:
+        super().__init__(**{f.name: getattr(decoder, f.name) for f in dataclasses.fields(decoder)})
+        self.seconds = seconds  # multiprocessing.Value("d"), made before the fork
+
+    def pixels_of(self, image, data):
+        start = time.thread_time()
+        try:
+            return super().pixels_of(image, data)
+        finally:
+            with self.seconds.get_lock():
+                self.seconds.value += time.thread_time() - start
+
+
 def time_loader_processes(split: SplitShards, loader: TrainLoader, workers: int) -> dict:
     """The loader processes alone: the chunks of a pass over `split` in `workers` processes
     (decoded like `loader`'s, its verified shards not hashed again), received and dropped: no
-    pairing, shuffling or collation in this process."""
-    decoder = loader.decoder
+    pairing, shuffling or collation in this process. Also the share of the loader processes' CPU
+    time spent in decode + resize, timed inside them: both are measured at the same moment in
+    the same processes, so the VM's drift cancels out of it."""
+    decoding = multiprocessing.get_context("fork").Value("d", 0.0)
+    decoder = TimedDecoder(loader.decoder, decoding)
 
     def source(process: int, processes: int) -> Iterator[Chunk]:
         return image_chunks(split.shards, range(process, len(split.shards), processes),
@@ -132,6 +163,35 @@ def time_loader_processes(split: SplitShards, loader: TrainLoader, workers: int)
     for chunk, _, _ in run_in_processes(source, workers, CHUNK_IMAGES, (size, size, 3),
                                         PREFETCH_CHUNKS):
         images += len(chunk)
+    seconds = time.perf_counter() - start
+    workers_cpu = children_cpu() - workers_cpu
+    return {"images_per_s": images / seconds,
+            "workers_cpu_ms": workers_cpu / images * 1e3,
+            "main_cpu_ms": 0.0,
+            "decode_share": decoding.value / workers_cpu}
+
+
+def time_open_clip_pipeline(split: SplitShards, loader: TrainLoader, workers: int,
+                            images_per_batch: int) -> dict:
+    """The same pass through the pipeline open_clip builds (src/training/data.py): a
+    wds.DataPipeline of the shard list, split_by_worker, tarfile_to_samples, a map decoding each
+    sample and `batched`, in torch DataLoader workers. Each sample gets the same work as in the
+    loader (SampleDecoder.decode: JSON, captions, decode + resize); the hand-over is torch's."""
+    decoder = loader.decoder
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # PIL's pixels:
+    # read-only, and only read (batched stacks them)
+
+    def decoded(sample: dict) -> tuple[torch.Tensor, CaptionedImage]:
+        image = decoder.decode(sample)
+        return torch.from_numpy(image.pixels), dataclasses.replace(image, pixels=None)
+
+    pipeline = wds.DataPipeline(wds.SimpleShardList(split.urls), wds.split_by_worker,
+                                wds.tarfile_to_samples(), wds.map(decoded),
+                                wds.batched(images_per_batch, partial=True))
+    batches = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)
+    start, workers_cpu, images = time.perf_counter(), children_cpu(), 0
+    for pixels, _ in batches:
+        images += len(pixels)
     seconds = time.perf_counter() - start
     return {"images_per_s": images / seconds,
             "workers_cpu_ms": (children_cpu() - workers_cpu) / images * 1e3,
@@ -195,6 +255,9 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
             run["alone"] = bracketed(functools.partial(
                 time_loader_processes, split, loaders["local"], args.workers), sample,
                 args.image_size)
+            run["open_clip"] = bracketed(functools.partial(
+                time_open_clip_pipeline, split, loaders["local"], args.workers,
+                args.batch_size), sample, args.image_size)
             runs.append(run)
     finally:
         if server is not None:
@@ -204,7 +267,7 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
           f"each), {split.captions} pairs, {len(split.urls)} shards; image size "
           f"{args.image_size}; {os.cpu_count()} CPUs; {args.workers} loader process(es)")
     summary = {}
-    for name in [*sources, "alone"]:
+    for name in [*sources, "alone", "open_clip"]:
         wall = [run[name]["images_per_s"] / (args.workers * run[name]["plain"]["images_per_s"])
                 for run in runs]
         cpu = [run[name]["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
@@ -216,6 +279,11 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
               f"{args.repeats}) {summary[name]['ratio']:.2f} wall, "
               f"{summary[name]['cpu_ratio']:.2f} cpu (target >= {TARGET}); training process "
               f"{main_ms:.3f} ms CPU per image; repeats {', '.join(f'{w:.2f}' for w in wall)}")
+    shares = [run["alone"]["decode_share"] for run in runs]
+    summary["alone"]["decode_share"] = statistics.median(shares)
+    print(f"alone: decode + resize take {summary['alone']['decode_share']:.3f} of the loader "
+          f"processes' CPU time (timed inside them; repeats "
+          f"{', '.join(f'{share:.3f}' for share in shares)})")
     plain_ms = statistics.median(run[name]["plain"]["cpu_ms"] for run in runs
                                  for name in run)
     print(f"plain decode + resize: {plain_ms:.3f} ms CPU per image; load average "
