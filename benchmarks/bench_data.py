@@ -136,7 +136,7 @@ class TimedDecoder(SampleDecoder):
         super().__init__(**{f.name: getattr(decoder, f.name) for f in dataclasses.fields(decoder)})
         self.seconds = seconds  # multiprocessing.Value("d"), made before the fork
 
-    def pixels_of(self, image, data):
+    def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
         start = time.thread_time()
         try:
             return super().pixels_of(image, data)

@@ -105,8 +105,8 @@ class ImageEncoder(nn.Module):
         batch statistics, which the padding would change)."""
         rows = len(pixels)
         pad = cnn_batch_size(rows) - rows
-        if (not (pixels.is_cuda if self.pad_batches is None else self.pad_batches) or pad == 0
-                or any(module.training for module in self._batchnorms())):
+        wanted = pixels.is_cuda if self.pad_batches is None else self.pad_batches
+        if not wanted or pad == 0 or any(module.training for module in self._batchnorms()):
             return self.backbone.features(pixels)
         padded = torch.cat([pixels, pixels.new_zeros(pad, *pixels.shape[1:])])
         return self.backbone.features(padded.contiguous(memory_format=torch.channels_last))[:rows]
