@@ -96,7 +96,8 @@ def test_two_process_training_tracks_and_registers(tmp_path, shards, engine):
 
 def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
     """Rank 1 SIGKILLed at 5 random steps under `torchrun --max-restarts 5`: each restart resumes
-    from the newest checkpoint and the run ends with the uninterrupted run's weights."""
+    from the newest checkpoint and the run ends with the uninterrupted run's weights, bit for
+    bit (the same trainings are bitwise reproducible: tests/test_remote_shards.py)."""
     uninterrupted = tmp_path / "uninterrupted"
     uninterrupted.mkdir()
     finish(torchrun(tiny_config(uninterrupted, shards, checkpoint_every_steps=2)))
@@ -121,8 +122,9 @@ def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
 
     want, got = final_weights(uninterrupted / "run"), final_weights(killed / "run")
     assert want.keys() == got.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    differ = {name: (got[name] - want[name]).abs().max().item() for name in want
+              if not torch.equal(got[name], want[name])}
+    assert not differ, differ
 
 
 def saved_step(pointer: Path) -> int:
