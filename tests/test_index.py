@@ -192,6 +192,41 @@ def test_bad_queries_and_another_model_get_one_clear_line(world: World, folder_i
                     "--out", str(folder_index.parent / "x")])
 
 
+def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    """A link leading out of the photo folder is named and counted, not indexed (the web app
+    would serve its target); a link inside is indexed. With --follow-links both are, and the
+    index serves a followed link's file only while it still leads where it did."""
+    photos, secret = tmp_path / "photos", tmp_path / "secret.png"
+    photos.mkdir()
+    first, second = world.names[:2]
+    shutil.copy2(world.images / first, photos / first)
+    shutil.copy2(world.images / second, secret)
+    (photos / "inside.png").symlink_to(first)
+    (photos / "outside.png").symlink_to(secret)
+    argv = ["--model", world.model_dir, "--images", photos, "--workers", "1", "--out"]
+    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+        meta = build(*argv, tmp_path / "index")
+    assert meta["images"] == ["inside.png", first]
+    named = [r.getMessage() for r in caplog.records if "outside.png" in r.getMessage()]
+    assert len(named) == 1 and "--follow-links" in named[0], named
+    assert len(meta["problems"]) == 1 and "outside.png" in meta["problems"][0]
+
+    followed = build(*argv, tmp_path / "followed", "--follow-links")
+    assert (followed["images"], followed["problems"]) == (["inside.png", "outside.png", first], [])
+    searched = index.SearchIndex.open(tmp_path / "followed")
+    assert searched.image_file("outside.png").read_bytes() == secret.read_bytes()
+    (photos / "outside.png").unlink()
+    (photos / "outside.png").symlink_to(world.images / second)  # re-pointed since
+    (photos / "inside.png").unlink()
+    (photos / "inside.png").symlink_to(secret)  # now leads out
+    (photos / first).unlink()  # gone
+    for name in ("outside.png", "inside.png", first):
+        with pytest.raises(RetrievalError, match=f"^image {name!r} is not available$"):
+            searched.image_file(name)
+
+
 def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
     mapped = index.memory_map(folder_index / "images.safetensors")
     for name, tensor in load_file(folder_index / "images.safetensors").items():

@@ -18,6 +18,7 @@ import pytest
 import requests
 from PIL import Image
 
+import trainer.index
 import trainer.serve as serve
 from tests.search_world import SearchWorld, search_world, serving
 from trainer.files import CHECKSUMS
@@ -239,6 +240,36 @@ def test_only_indexed_images_are_served(world: SearchWorld, url: str, path: str)
     status, body = raw(url, "GET", path)
     assert status == 404 and b'"error"' in body and b"root:" not in body
     assert requests.get(f"{url}/api/info").status_code == 200
+
+
+def test_a_link_is_served_only_while_it_stays_in_the_folder(world: SearchWorld,
+                                                             tmp_path: Path) -> None:
+    """A link out of the folder is not indexed; a link inside is served until it is re-pointed
+    out (to a secret here, /etc/passwd in the issue): then it answers what a file deleted since
+    indexing answers, a 404 naming no path."""
+    photos, secret = tmp_path / "photos", tmp_path / "secret.png"
+    photos.mkdir()
+    kept, gone = sorted(world.captions)[:2]
+    for name in (kept, gone):
+        (photos / name).write_bytes((world.photos / name).read_bytes())
+    secret.write_bytes(b"root:x:0:0:" + (world.photos / kept).read_bytes())
+    (photos / "linked.png").symlink_to(kept)
+    (photos / "out.png").symlink_to(world.photos / gone)
+    trainer.index.main(["--model", str(world.model_dir), "--images", str(photos),
+                        "--out", str(tmp_path / "index"), "--workers", "1"])
+    index = SearchIndex.open(tmp_path / "index")
+    assert index.image_names == ["linked.png", kept, gone]
+    with serving(serve.create_app(index, UPLOAD_LIMIT)) as url:
+        assert requests.get(f"{url}/images/linked.png").content == (photos / kept).read_bytes()
+        (photos / "linked.png").unlink()
+        (photos / "linked.png").symlink_to(secret)
+        (photos / gone).unlink()
+        answers = {name: requests.get(f"{url}/images/{name}") for name in ("linked.png", gone)}
+    assert [answer.status_code for answer in answers.values()] == [404, 404]
+    bodies = {answer.text.replace(name, "NAME") for name, answer in answers.items()}
+    assert len(bodies) == 1, bodies
+    assert "root:" not in bodies.pop() and str(tmp_path) not in "".join(
+        answer.text for answer in answers.values())
 
 
 def test_a_failure_is_one_line_too(index: SearchIndex, url: str,

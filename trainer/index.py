@@ -323,12 +323,26 @@ class SearchIndex:
     def sentences(self) -> list[str]:
         return self.sentence_set.items if self.sentence_set else []
 
-    def image_file(self, name: str) -> Path:
-        """The file of the indexed image `name`; only indexed names have one (no path is ever
-        built from anything else)."""
+    def position_of(self, name: str) -> int:
+        """The row of the indexed image `name`; RetrievalError for any other name."""
         if name not in self.position:
             raise RetrievalError(f"{name!r} is not an image of this index")
-        return Path(self.meta["image_folder"]) / name
+        return self.position[name]
+
+    def image_file(self, name: str) -> Path:
+        """The file of the indexed image `name`, resolved now: only indexed names have one (no
+        path is ever built from anything else), and only while it is in the indexed folder or
+        (--follow-links) where its link led when indexed. Otherwise one line naming no path,
+        the same for a file gone and a link re-pointed (the web app's 404); the log says which."""
+        self.position_of(name)
+        folder = Path(self.meta["image_folder"])
+        path = Path(os.path.realpath(folder / name))
+        if path.is_file() and (path.is_relative_to(os.path.realpath(folder))
+                               or str(path) == self.meta.get("links", {}).get(name)):
+            return path
+        log.warning("indexed image %r is not served: %s is no file, or leads out of %s "
+                    "(re-linked since it was indexed?)", name, path, folder)
+        raise RetrievalError(f"image {name!r} is not available")
 
     def images_for(self, text: str, k: int = 10) -> list[Hit]:
         """The k best images for a sentence."""
@@ -336,8 +350,7 @@ class SearchIndex:
 
     def sentences_for_image(self, name: str, k: int = 10) -> list[Hit]:
         """The k best sentences of the index for one of its images."""
-        self.image_file(name)
-        return self.sentences_for_rows(self.images.select([self.position[name]]), k)
+        return self.sentences_for_rows(self.images.select([self.position_of(name)]), k)
 
     def sentences_for_file(self, path: Path, k: int = 10) -> list[Hit]:
         """The k best sentences of the index for a new image file (e.g. an upload)."""
@@ -514,8 +527,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if args.images:
         folder = Path(args.images).resolve()
+        paths, links, skipped = _images_in(folder, args.follow_links)
         stamps = [(path.name, stat.st_size, stat.st_mtime_ns)
-                  for path in list_images(folder) for stat in [path.stat()]]
+                  for path in paths for stat in [path.stat()]]
         units = [Unit(u, tuple(stamps[first:first + UNIT_FILES]))
                  for u, first in enumerate(range(0, len(stamps), UNIT_FILES))]
         source, image_folder = {"images": str(folder)}, folder
@@ -524,6 +538,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         units = [Unit(u, shard=shard) for u, shard in enumerate(split.shards)]
         source = {"shards": args.shards, "split": args.split}
         image_folder = (out / "files").resolve()
+        links, skipped = {}, []
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
            "source": source}
     parts = _parts_folder(out, key)
@@ -547,7 +562,25 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             with context.Pool(args.workers, _start_worker, settings) as pool:
                 for _, size in pool.imap_unordered(_embed_unit, todo):
                     bar.update(size)
-    return _write_index(out, units, key, embedder, args, image_folder)
+    return _write_index(out, units, key, embedder, args, image_folder, links, skipped)
+
+
+def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, str], list[str]]:
+    """The images of `folder` to index; where those that are links leading out of it lead
+    (indexed with --follow-links); and one line for each such link skipped without it (the web
+    app serves an indexed file: a link out would serve whatever it leads to)."""
+    kept, links, skipped = [], {}, []
+    for path in list_images(folder):
+        target = Path(os.path.realpath(path))
+        if target.is_relative_to(folder) or follow_links:
+            kept.append(path)
+            if not target.is_relative_to(folder):
+                links[path.name] = str(target)
+            continue
+        skipped.append(f"{path} is a link to {target}, outside {folder}: pass --follow-links "
+                       "to index such links")
+        log.warning("skipped a link out of the folder: %s", skipped[-1])
+    return kept, links, skipped
 
 
 def _parts_folder(out: Path, key: dict[str, Any]) -> Path:
@@ -571,10 +604,12 @@ def _unit_done(parts: Path, unit: Unit) -> bool:
 
 
 def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Embedder,
-                 args: argparse.Namespace, image_folder: Path) -> dict[str, Any]:
-    """Merge the parts (in unit order) into the index files; index.json last, parts removed."""
+                 args: argparse.Namespace, image_folder: Path, links: dict[str, str],
+                 skipped: list[str]) -> dict[str, Any]:
+    """Merge the parts (in unit order) into the index files; index.json last, parts removed.
+    `links`: the followed links out of the folder and their targets; `skipped`: those not."""
     image_parts = [_no_images(embedder)]
-    sentence_parts, problems, origins = [], [], []
+    sentence_parts, problems, origins = [], list(skipped), []
     for unit in units:
         meta = json.loads((out / "parts" / f"{unit.number:06d}.json").read_text())
         tensors = load_file(out / "parts" / f"{unit.number:06d}.st")
@@ -600,7 +635,8 @@ def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Em
     if sentences is not None:
         write_collection(out, "sentences", sentences, score)
     meta = {"format": INDEX_FORMAT, **key, "model_dir": str(Path(args.model).resolve()),
-            "image_folder": str(image_folder), "score": score, "images": images.items,
+            "image_folder": str(image_folder), "links": links, "score": score,
+            "images": images.items,
             "sentences": sentences.items if sentences is not None else [],
             "sentence_origins": origins, "problems": problems}
     write_atomically(out / "index.json", json.dumps(meta, ensure_ascii=False))
@@ -628,6 +664,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="val", help="split of --shards (default: val)")
     parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="also index --images links that lead out of the folder (skipped "
+                             "by default: the web app serves what an indexed link leads to)")
     parser.add_argument("--out", required=True, type=Path, help="the index folder")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="embedding processes")

@@ -188,14 +188,13 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
 
     @app.get("/images/{name}", summary="An indexed image file", responses=_errors(404),
              description="The file of an indexed image. Only the index's own file names are "
-                         "served; anything else is 404.")
+                         "served, and only while the file (resolved at each request) is still "
+                         "in the indexed folder; anything else is 404.")
     def image_file(name: str) -> FileResponse:
         try:
             path = index.image_file(name)
-        except RetrievalError as err:
+        except RetrievalError as err:  # gone or re-linked out: one line naming no path
             raise HTTPException(404, describe(err)) from err
-        if not path.is_file():
-            raise HTTPException(404, f"{name!r} is indexed but its file is gone from {path.parent}")
         return FileResponse(path)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
