@@ -21,16 +21,21 @@ The manifest's "skipped" has one item per distinct input left out, so `count` = 
 `by_reason` = the number of `items`, and a split's "skipped" counts that split's items (an item
 whose split is unknown, e.g. a line that is not UTF-8, counts only in the totals). An item is
 - a whole image (`missing_image`, `bad_image`, `unsupported_format`, `duplicate_image`,
-  `bad_boxes`, `no_captions`): an image left without a usable caption is ONE `no_captions` item,
-  whose detail names the captions it lost;
+  `bad_boxes`, `no_captions`, `outside_images`): an image left without a usable caption is ONE
+  `no_captions` item, whose detail names the captions it lost; an image whose path leads outside
+  the image folder (absolute, `..`, a symbolic link out) is `outside_images` unless the command
+  is given `--allow-outside-images`;
 - a caption left out of an image that was written (`empty_caption`, `no_words`, `not_utf8`);
 - or a line, entry or file read as neither (`malformed`, `odd_key`, `duplicate_key`, `not_utf8`,
   `missing_split_file`).
 Each is logged as `FILE:LINE [ITEM]: reason: detail` (the first 20 of a run) and listed in full.
 
-A sample's key is the sanitised image id (the image path without extension, [A-Za-z0-9_-]);
-its entries are `jpg` or `png` (the ORIGINAL file bytes, extension from the decoded format) and
-`json`:
+A sample's key is the image id (`records.image_key` of the image's normalised path relative to the
+image folder): only [A-Za-z0-9_-], one key per path and one path per key, so `dup.jpg` and
+`dup.png` are two images and `dup.jpg` listed again (or as `./dup.jpg`) is a `duplicate_image`.
+A plain path keeps its words (`val2014/COCO_1.jpg` -> `val2014__COCO_1_jpg`), any other gets its
+words and a hash (`my pics/a.jpg` -> `my_pics_a_jpg-1f0c2a9e`). Its entries are `jpg` or `png`
+(the ORIGINAL file bytes, extension from the decoded format) and `json`:
 
     {"image_id", "split", "width", "height", "file": path relative to the image folder,
      "captions": [{"text", "tokens": [word, ...], "triplets": [[rel, governor, dependent], ...],

@@ -110,13 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 help='JSONL of {"image", "captions", "split"}')
     jsonl.add_argument("--jsonl", type=Path, required=True)
     jsonl.add_argument("--images", type=Path,
-                       help="folder relative image paths start from (default: the JSONL's)")
+                       help="folder relative image paths start from and every image must be "
+                            "in (default: the JSONL's; see --allow-outside-images)")
     jsonl.add_argument("--default-split", default="train",
                        help='split of lines without "split" (default: train)')
 
     for command in (karpathy, jsonl):
         command.add_argument("--split-map", type=_pair, action="append", default=[],
                              metavar="OLD=NEW", help="rename a split, e.g. restval=train")
+    for command in (flickr, karpathy, jsonl):
+        command.add_argument("--allow-outside-images", action="store_true",
+                             help="read images whose path leads outside the image folder "
+                                  "(absolute, '..', a link out); by default each is skipped "
+                                  "as outside_images")
 
     synthetic = commands.add_parser(
         "synthetic", parents=[common],
@@ -145,11 +151,12 @@ def read_source(args: argparse.Namespace) -> Source:
         split_files = dict(args.split_file) if args.split_file else FLICKR8K_SPLIT_FILES
         return read_flickr(args.root / args.token_file, args.root / args.images,
                            {name: args.root / file for name, file in split_files.items()},
-                           args.splits)
+                           args.splits, args.allow_outside_images)
     if args.source == "karpathy":
-        source = read_karpathy(args.json, args.images)
+        source = read_karpathy(args.json, args.images, args.allow_outside_images)
     elif args.source == "jsonl":
-        source = read_jsonl(args.jsonl, args.images or args.jsonl.parent, args.default_split)
+        source = read_jsonl(args.jsonl, args.images or args.jsonl.parent, args.default_split,
+                            args.allow_outside_images)
     else:
         jsonl_file = generate(args.out / "source", args.num_train, args.num_val, args.seed,
                               args.image_size)

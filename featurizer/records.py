@@ -6,6 +6,7 @@ so a skipped input can always be reported as `file:line: reason`.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,8 +23,16 @@ MISSING_SPLIT_FILE = "missing_split_file"
 MISSING_IMAGE = "missing_image"
 BAD_IMAGE = "bad_image"
 UNSUPPORTED_FORMAT = "unsupported_format"
+TOO_LARGE = "too_large"  # more pixels than the bound (defrag.images), refused from the header
 BAD_BOXES = "bad_boxes"
 NOT_UTF8 = "not_utf8"
+OUTSIDE_IMAGES = "outside_images"
+
+# A path whose key can keep its words one to one: names of [A-Za-z0-9-] words joined by single
+# "_", "/" between folders, one "." before an [A-Za-z0-9] extension (see `image_key`).
+_PLAIN_NAME = r"[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*"
+_PLAIN_PATH = re.compile(
+    rf"(?P<folders_and_stem>{_PLAIN_NAME}(?:/{_PLAIN_NAME})*)\.(?P<extension>[A-Za-z0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,15 @@ def no_captions(record: ImageRecord, dropped: list[Problem]) -> Problem:
 
 
 def image_key(name: str) -> str:
-    """A stable WebDataset key for an image path: no extension, and only [A-Za-z0-9_-] (a dot
-    would split the key, a slash would make a folder inside the tar)."""
-    stem = re.sub(r"\.[A-Za-z0-9]+$", "", name.strip())
-    return re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("_")
+    """The WebDataset key of an image path: only [A-Za-z0-9_-] (a dot would split the key, a
+    slash make a folder inside the tar), the same for the same path and never for two paths.
+
+    A plain path keeps its words, folders joined by "__" and the extension by "_"
+    (`val2014/COCO_1.jpg` -> `val2014__COCO_1_jpg`); any other path gets its words and 8 hex
+    digits of its hash (`my pics/a.jpg` -> `my_pics_a_jpg-1f0c2a9e`)."""
+    plain = _PLAIN_PATH.fullmatch(name)
+    if plain:
+        return f"{plain['folders_and_stem'].replace('/', '__')}_{plain['extension']}"
+    words = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "image"
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{words}-{digest}"

@@ -5,7 +5,12 @@
 - `read_karpathy`: Karpathy-split JSON (`dataset_flickr8k.json`, `dataset_flickr30k.json`,
   `dataset_coco.json`): `{"images": [{"filepath"?, "filename", "split", "sentences": [{"raw"}]}]}`.
 - `read_jsonl`: one `{"image": path, "captions": [...], "split": ..., "boxes"?: [[x1,y1,x2,y2]]}`
-  per line; relative image paths are relative to the images folder.
+  per line; relative image paths are relative to the images folder, which holds every image.
+
+An image path leading outside the image folder (absolute, `..`, a symbolic link out) is an
+`outside_images` problem unless the reader is given `allow_outside=True`. An image's key comes
+from its normalised path (`records.image_key`), so `a.jpg` and `./a.jpg` are one image and
+`a.jpg` and `a.png` two.
 
 Every file is UTF-8, a leading byte-order mark ignored. Bad entries (odd or duplicate keys,
 malformed lines, lines that are not UTF-8) become `Problem`s with their file and line, one per
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -35,6 +41,7 @@ from featurizer.records import (
     MISSING_SPLIT_FILE,
     NOT_UTF8,
     ODD_KEY,
+    OUTSIDE_IMAGES,
     Caption,
     ImageRecord,
     Origin,
@@ -98,8 +105,24 @@ def _text_lines(path: Path, source: Source,
                 yield origin, line
 
 
+def _located(images_dir: Path, name: str, origin: Origin, split: str | None,
+             allow_outside: bool) -> tuple[Path, str] | Problem:
+    """The path of image `name` (relative to `images_dir`, or absolute) and its key, or the
+    problem of a path that leads outside `images_dir` when that is not allowed."""
+    path = images_dir / name
+    root, target = images_dir.resolve(), path.resolve()
+    if not (allow_outside or target.is_relative_to(root)):
+        return Problem(origin, OUTSIDE_IMAGES,
+                       f"image {name!r} is {target}, outside the image folder {root}; skipped "
+                       f"(move it into the folder, or pass --allow-outside-images)", split)
+    folder = Path(os.path.normpath(images_dir.absolute()))
+    normalised = Path(os.path.normpath(folder / name))
+    inside = normalised.is_relative_to(folder)
+    return path, image_key((normalised.relative_to(folder) if inside else normalised).as_posix())
+
+
 def read_flickr(token_file: Path, images_dir: Path, split_files: dict[str, Path],
-                splits: Iterable[str] | None = None) -> Source:
+                splits: Iterable[str] | None = None, allow_outside: bool = False) -> Source:
     """Read a Flickr8k/30k-style release. `splits` (default: every split whose list exists)
     selects split lists; a requested split whose list file is missing is an error."""
     requested = list(splits) if splits is not None else None
@@ -127,11 +150,14 @@ def read_flickr(token_file: Path, images_dir: Path, split_files: dict[str, Path]
     captions, dropped = _read_token_file(token_file, members, source)
     seen: dict[str, Origin] = {}
     for name, (split, origin) in members.items():
+        located = _located(images_dir, name, origin, split, allow_outside)
+        if isinstance(located, Problem):
+            source.problems.append(located)
+            continue
         indexed = sorted(captions.get(name, {}).items())
         _add_with_captions(source, seen, ImageRecord(
-            image_id=image_key(name), split=split, path=images_dir / name, file=name,
-            origin=origin, captions=[caption for _, caption in indexed],
-            dropped=dropped.get(name, [])))
+            image_id=located[1], split=split, path=located[0], file=name, origin=origin,
+            captions=[caption for _, caption in indexed], dropped=dropped.get(name, [])))
     return source
 
 
@@ -185,7 +211,7 @@ def _read_token_file(
     return captions, dropped
 
 
-def read_karpathy(json_file: Path, images_dir: Path) -> Source:
+def read_karpathy(json_file: Path, images_dir: Path, allow_outside: bool = False) -> Source:
     """Read a Karpathy-split JSON file; image paths are `images_dir/filepath/filename`."""
     try:
         data = json.loads(Path(json_file).read_bytes().decode("utf-8-sig", "surrogateescape"))
@@ -208,6 +234,10 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
         if bad := _not_utf8(origin, {"file": file, "split": split}, "image"):
             source.problems.append(bad)
             continue
+        located = _located(images_dir, file, origin, split, allow_outside)
+        if isinstance(located, Problem):
+            source.problems.append(located)
+            continue
         captions, dropped = [], []
         for j, sentence in enumerate(image["sentences"]):
             where = Origin(str(json_file), item=f"images[{i}].sentences[{j}]")
@@ -219,8 +249,8 @@ def read_karpathy(json_file: Path, images_dir: Path) -> Source:
             else:
                 captions.append(Caption(text, where))
         _add_with_captions(source, seen, ImageRecord(
-            image_id=image_key(file), split=split, path=images_dir / file, file=file,
-            origin=origin, captions=captions, dropped=dropped))
+            image_id=located[1], split=split, path=located[0], file=file, origin=origin,
+            captions=captions, dropped=dropped))
     return source
 
 
@@ -256,7 +286,8 @@ def _sentence_text(sentence: object) -> str:
     return ""
 
 
-def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source:
+def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str,
+               allow_outside: bool = False) -> Source:
     """Read a JSONL file; a line without "split" goes to `default_split`."""
     if not jsonl_file.is_file():
         raise FileNotFoundError(f"JSONL file {jsonl_file} does not exist")
@@ -278,6 +309,10 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
         if bad := _not_utf8(origin, {"image": entry["image"], "split": split}, "line"):
             source.problems.append(bad)
             continue
+        located = _located(images_dir, entry["image"], origin, split, allow_outside)
+        if isinstance(located, Problem):
+            source.problems.append(located)
+            continue
         boxes = entry.get("boxes")
         if boxes is not None and not _valid_boxes(boxes):
             source.problems.append(Problem(origin, BAD_BOXES, '"boxes" must be a list of '
@@ -292,10 +327,9 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str) -> Source
                 dropped.append(bad)
             else:
                 captions.append(Caption(text.strip(), where))
-        path = Path(entry["image"])
         _add_with_captions(source, seen, ImageRecord(
-            image_id=image_key(entry["image"]), split=split, path=images_dir / path,
-            file=entry["image"], origin=origin, captions=captions, dropped=dropped,
+            image_id=located[1], split=split, path=located[0], file=entry["image"],
+            origin=origin, captions=captions, dropped=dropped,
             boxes=[[float(v) for v in box] for box in boxes] if boxes is not None else None))
     return source
 

@@ -42,7 +42,7 @@ from trainer.registry import save_model_folder
 from trainer.train_loader import TrainLoader
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_SHARD = "train/shard-000003.tar"  # images_train_00015 .. 00019
+TRAIN_SHARD = "train/shard-000003.tar"  # images__train_00015_png .. 00019
 VAL_SHARD = "val/shard-000000.tar"
 SMALL_MODEL = {"embed_dim": 16, "word_dim": 8, "pretrained": False}
 GARBAGE = b"garbage!" * 64  # one 512-byte tar block that is no header

@@ -252,7 +252,7 @@ def test_an_undecodable_image_is_skipped_with_a_warning(
         shards: Path, vocab: Vocabulary, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy, ignore=shutil.ignore_patterns("source"))
-    bad_key = "images_train_00002"
+    bad_key = "images__train_00002_png"
 
     def corrupt(sample: dict) -> dict:
         if sample["__key__"] == bad_key:
@@ -281,7 +281,7 @@ def test_bad_metadata_is_skipped_with_its_key(
     left out (the size before any image is decoded: the boxes would be scaled wrongly)."""
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy, ignore=shutil.ignore_patterns("source"))
-    no_boxes, wrong_size = "images_train_00001", "images_train_00003"
+    no_boxes, wrong_size = "images__train_00001_png", "images__train_00003_png"
 
     def damage(sample: dict) -> dict:
         meta = json.loads(sample["json"])

@@ -81,14 +81,15 @@ def test_shards_hold_original_images_captions_and_boxes(tmp_path: Path) -> None:
     assert manifest["vocabulary"]["relations"] == vocab.relations and "amod" in vocab.relations
     urls = [str(tmp_path / "out" / s["file"]) for s in train["shards"]]
     samples = list(wds.WebDataset(urls, shardshuffle=False))
-    assert [s["__key__"] for s in samples] == [f"images_img{i:02d}" for i in range(5)]
+    assert [s["__key__"] for s in samples] == [
+        f"images__img{i:02d}_{'png' if i % 3 == 2 else 'jpg'}" for i in range(5)]
     for index, sample in enumerate(samples):
         meta = json.loads(sample["json"])
         extension = "png" if index % 3 == 2 else "jpg"
         original = tmp_path / "data" / meta["file"]
         assert sample[extension] == original.read_bytes()  # the file as it is, not re-encoded
         assert (meta["image_id"], meta["split"], meta["file"]) == (
-            f"images_img{index:02d}", "train", f"images/img{index:02d}.{extension}")
+            f"images__img{index:02d}_{extension}", "train", f"images/img{index:02d}.{extension}")
         assert (meta["width"], meta["height"]) == (40 + index, 30)
         assert meta["boxes"] == [[0, 0, 40 + index, 30], [2, 3, 20, 25], [0, 0, 10, 10]]
         assert meta["box_scores"][0] == 1.0 and meta["box_source"] == "given"
@@ -370,3 +371,23 @@ def test_worker_processes_write_the_same_shards(tmp_path: Path) -> None:
     assert shard_bytes(tmp_path / "serial") == shard_bytes(tmp_path / "parallel")
     assert serial["skipped"] == parallel["skipped"]
     assert serial["splits"] == parallel["splits"]
+
+
+def test_cli_refuses_images_outside_the_folder_and_keeps_one_stem_twice(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=2)
+    write_image(tmp_path / "data/images/img00.png", 5, "PNG")  # img00.jpg's stem, another file
+    write_image(tmp_path / "secret.jpg", 6)
+    with jsonl.open("a") as stream:
+        for name in ("images/img00.png", "../secret.jpg", "images/img00.jpg"):
+            stream.write(json.dumps({"image": name, "captions": [CAPTIONS[0]]}) + "\n")
+    flags = ["--out", str(tmp_path / "out"), "--parser", "spacy", "--boxes", "fullframe",
+             "--workers", "1", "--min-word-count", "1"]
+    assert main(["jsonl", "--jsonl", str(jsonl), *flags]) == 0
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["splits"]["train"]["images"] == 3  # img00.jpg, img01.jpg and img00.png
+    assert manifest["splits"]["train"]["skipped"] == {"duplicate_image": 1, "outside_images": 1}
+    assert f"skipped: {jsonl}:4: outside_images: image '../secret.jpg' is " in caplog.text
+    assert main(["jsonl", "--jsonl", str(jsonl), "--allow-outside-images", *flags]) == 0
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["splits"]["train"]["images"] == 4

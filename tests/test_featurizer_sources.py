@@ -1,6 +1,7 @@
 """Source readers: Flickr token format (with the release's quirks), Karpathy JSON and JSONL."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,13 @@ def split_files(root: Path) -> dict[str, Path]:
 def test_flickr_reads_captions_and_reports_every_quirk(flickr: Path) -> None:
     source = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
     records = {r.image_id: r for r in source.records}
-    assert sorted(records) == ["1_a", "2_b", "3_c"]
-    assert [c.text for c in records["1_a"].captions] == ["A black dog runs .",
+    assert sorted(records) == ["1_a_jpg", "2_b_jpg", "3_c_jpg"]
+    assert [c.text for c in records["1_a_jpg"].captions] == ["A black dog runs .",
                                                          "A dog in the grass ."]
-    assert [c.origin.line for c in records["1_a"].captions] == [1, 2]
-    assert records["2_b"].split == "train" and records["3_c"].split == "dev"
-    assert records["3_c"].path == flickr / "images/3_c.jpg" and records["3_c"].file == "3_c.jpg"
+    assert [c.origin.line for c in records["1_a_jpg"].captions] == [1, 2]
+    assert records["2_b_jpg"].split == "train" and records["3_c_jpg"].split == "dev"
+    assert records["3_c_jpg"].path == flickr / "images/3_c.jpg"
+    assert records["3_c_jpg"].file == "3_c.jpg"
     assert sorted(reasons(source.problems), key=str) == sorted([
         ("missing_split_file", None),  # test list absent and not asked for: reported, left out
         ("duplicate_image", 3),        # train.txt line 3
@@ -61,7 +63,7 @@ def test_flickr_reads_captions_and_reports_every_quirk(flickr: Path) -> None:
     no_captions = next(p for p in source.problems if p.reason == "no_captions")
     assert "4_d.jpg#0" in no_captions.detail
     # a written image's skipped captions go with it (reported when its shard is written)
-    assert reasons(records["2_b"].dropped) == [("empty_caption", 6)]
+    assert reasons(records["2_b_jpg"].dropped) == [("empty_caption", 6)]
 
 
 def append_line(path: Path, line: bytes) -> None:
@@ -73,7 +75,7 @@ def test_flickr_lines_that_are_not_utf8_are_reported_and_skipped(flickr: Path) -
     append_line(flickr / "text/tokens.txt", b"3_c.jpg#1\t" + NOT_UTF8)  # line 12
     append_line(flickr / "text/dev.txt", b"5_" + NOT_UTF8 + b".jpg")    # line 3
     source = read_flickr(flickr / "text/tokens.txt", flickr / "images", split_files(flickr))
-    assert sorted(r.image_id for r in source.records) == ["1_a", "2_b", "3_c"]
+    assert sorted(r.image_id for r in source.records) == ["1_a_jpg", "2_b_jpg", "3_c_jpg"]
     bad = [(Path(p.origin.file).name, p.origin.line, p.split) for p in source.problems
            if p.reason == "not_utf8"]
     assert bad == [("dev.txt", 3, "dev"), ("tokens.txt", 12, None)]
@@ -88,7 +90,7 @@ def test_flickr_requested_split_without_list_is_a_clear_error(flickr: Path) -> N
 
 def test_flickr_selected_splits_and_missing_token_file(flickr: Path) -> None:
     source = read_flickr(flickr / "text/tokens.txt", flickr, split_files(flickr), ["dev"])
-    assert [r.image_id for r in source.records] == ["3_c"]
+    assert [r.image_id for r in source.records] == ["3_c_jpg"]
     with pytest.raises(FileNotFoundError, match="token file"):
         read_flickr(flickr / "nope.txt", flickr, split_files(flickr), ["dev"])
 
@@ -108,10 +110,10 @@ def test_karpathy_json_flickr_and_coco_styles(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     source = read_karpathy(path, tmp_path / "images")
     coco, flickr = source.records
-    assert coco.image_id == "val2014_COCO_val2014_000000000042"
+    assert coco.image_id == "val2014__COCO_val2014_000000000042_jpg"
     assert coco.path == tmp_path / "images/val2014/COCO_val2014_000000000042.jpg"
     assert [c.text for c in coco.captions] == ["A man rides a horse.", "a horse"]
-    assert flickr.image_id == "1_a" and flickr.split == "test"
+    assert flickr.image_id == "1_a_jpg" and flickr.split == "test"
     assert [(p.reason, p.origin.item) for p in coco.dropped] == [
         ("empty_caption", "images[0].sentences[2]")]
     assert [(p.reason, p.origin.item) for p in source.problems] == [
@@ -190,9 +192,9 @@ def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
     ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
-    source = read_jsonl(path, tmp_path, default_split="test")
+    source = read_jsonl(path, tmp_path, default_split="test", allow_outside=True)
     a, b = source.records
-    assert (a.image_id, a.split, a.file, a.boxes) == ("imgs_a", "val", "imgs/a.jpg",
+    assert (a.image_id, a.split, a.file, a.boxes) == ("imgs__a_jpg", "val", "imgs/a.jpg",
                                                       [[1.0, 2.0, 10.0, 12.0]])
     assert a.path == tmp_path / "imgs/a.jpg" and [c.origin.line for c in a.captions] == [1, 1]
     assert (b.split, b.path) == ("test", Path("/abs/b.png"))
@@ -206,7 +208,7 @@ def test_jsonl_line_that_is_not_utf8_is_reported_and_skipped(tmp_path: Path) -> 
     for name, caption in (("a", b"A dog."), ("b", NOT_UTF8), ("c", b"A cat.")):
         append_line(path, b'{"image": "%s.jpg", "captions": ["%s"]}' % (name.encode(), caption))
     source = read_jsonl(path, tmp_path, "train")
-    assert [r.image_id for r in source.records] == ["a", "c"]
+    assert [r.image_id for r in source.records] == ["a_jpg", "c_jpg"]
     (problem,) = source.problems
     assert (problem.reason, problem.origin.line, problem.split) == ("not_utf8", 2, None)
     assert str(problem).startswith(f"{path}:2: not_utf8: byte 0xe9 ")
@@ -237,7 +239,7 @@ def test_jsonl_file_with_a_byte_order_mark(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"image": "a.jpg", "captions": ["A dog."]})
                      .encode() + b"\n")
     source = read_jsonl(path, tmp_path, "train")
-    assert [r.image_id for r in source.records] == ["a"] and source.problems == []
+    assert [r.image_id for r in source.records] == ["a_jpg"] and source.problems == []
 
 
 def test_flickr_files_with_a_byte_order_mark(flickr: Path) -> None:
@@ -249,7 +251,81 @@ def test_flickr_files_with_a_byte_order_mark(flickr: Path) -> None:
     assert after.records == before.records and reasons(after.problems) == reasons(before.problems)
 
 
-def test_image_key_is_a_safe_webdataset_key() -> None:
-    assert image_key("1000268201_693b08cb0e.jpg") == "1000268201_693b08cb0e"
-    assert image_key("val2014/COCO_val2014_1.jpg") == "val2014_COCO_val2014_1"
-    assert image_key("my pics/a.b c.PNG") == "my_pics_a_b_c"
+def test_jsonl_images_outside_the_image_folder_are_refused_unless_allowed(tmp_path: Path) -> None:
+    images, outside = tmp_path / "images", tmp_path / "elsewhere"
+    images.mkdir()
+    outside.mkdir()
+    (images / "in.png").touch()
+    (outside / "out.png").touch()
+    (images / "link.png").symlink_to(outside / "out.png")
+    (images / "sub").symlink_to(outside)
+    lines = ["in.png", "../elsewhere/out.png", str(outside / "out.png"), "link.png",
+             "sub/out.png", str(images / "in.png")]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"image": name, "captions": ["A dog."]}) + "\n"
+                            for name in lines))
+    source = read_jsonl(path, images, "train")
+    assert [r.file for r in source.records] == ["in.png"]
+    assert reasons(source.problems) == [("outside_images", n) for n in (2, 3, 4, 5)] + [
+        ("duplicate_image", 6)]  # the same file, spelled as an absolute path inside the folder
+    first = str(source.problems[0])
+    assert first.startswith(f"{path}:2: outside_images: image '../elsewhere/out.png' is ")
+    assert str(outside / "out.png") in first and "--allow-outside-images" in first
+    assert "\n" not in first
+
+    allowed = read_jsonl(path, images, "train", allow_outside=True)
+    assert [r.file for r in allowed.records] == ["in.png", "../elsewhere/out.png", "link.png",
+                                                 "sub/out.png"]
+    assert reasons(allowed.problems) == [("duplicate_image", 3), ("duplicate_image", 6)]
+
+
+def test_flickr_and_karpathy_refuse_images_outside_the_image_folder(tmp_path: Path) -> None:
+    (tmp_path / "tokens.txt").write_text("a.jpg#0\tA dog .\n../b.jpg#0\tA cat .\n")
+    (tmp_path / "train.txt").write_text("a.jpg\n../b.jpg\n")
+    flickr = read_flickr(tmp_path / "tokens.txt", tmp_path / "images",
+                         {"train": tmp_path / "train.txt"})
+    assert [r.file for r in flickr.records] == ["a.jpg"]
+    assert reasons(flickr.problems) == [("outside_images", 2)]
+    data = {"images": [{"filepath": "..", "filename": "b.jpg", "split": "train",
+                        "sentences": [{"raw": "A cat."}]}]}
+    (tmp_path / "k.json").write_text(json.dumps(data))
+    karpathy = read_karpathy(tmp_path / "k.json", tmp_path / "images")
+    assert [(p.reason, p.origin.item) for p in karpathy.problems] == [
+        ("outside_images", "images[0]")]
+    assert len(read_karpathy(tmp_path / "k.json", tmp_path / "images",
+                             allow_outside=True).records) == 1
+
+
+def test_files_with_one_stem_are_two_images_and_one_file_twice_is_a_duplicate(
+        tmp_path: Path) -> None:
+    lines = ["dup.png", "dup.jpg", "dup.png", "./dup.png", "sub/../dup.jpg"]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"image": name, "captions": ["A dog."]}) + "\n"
+                            for name in lines))
+    source = read_jsonl(path, tmp_path, "train")
+    assert [(r.file, r.image_id) for r in source.records] == [("dup.png", "dup_png"),
+                                                              ("dup.jpg", "dup_jpg")]
+    assert reasons(source.problems) == [("duplicate_image", n) for n in (3, 4, 5)]
+
+    (tmp_path / "tokens.txt").write_text("dup.png#0\tA dog .\ndup.jpg#0\tA cat .\n")
+    (tmp_path / "train.txt").write_text("dup.png\ndup.jpg\n")
+    flickr = read_flickr(tmp_path / "tokens.txt", tmp_path, {"train": tmp_path / "train.txt"})
+    assert sorted(r.image_id for r in flickr.records) == ["dup_jpg", "dup_png"]
+    data = {"images": [{"filename": name, "split": "train", "sentences": [{"raw": "A dog."}]}
+                       for name in ("dup.png", "dup.jpg")]}
+    (tmp_path / "k.json").write_text(json.dumps(data))
+    karpathy = read_karpathy(tmp_path / "k.json", tmp_path)
+    assert [r.image_id for r in karpathy.records] == ["dup_png", "dup_jpg"]
+    assert karpathy.problems == []
+
+
+def test_image_keys_are_unique_and_readable_webdataset_keys() -> None:
+    names = ["dup.png", "dup.jpg", "dup", "dup_png", "a/b.jpg", "a_b.jpg", "a__b.jpg",
+             "a/b_jpg", "a b.jpg", "a.b.jpg", "a-b.jpg", "a/b-c.jpg", "my pics/a.b c.PNG"]
+    keys = [image_key(name) for name in names]
+    assert len(set(keys)) == len(names), keys
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", key) for key in keys), keys
+    assert image_key("1000268201_693b08cb0e.jpg") == "1000268201_693b08cb0e_jpg"
+    assert image_key("val2014/COCO_val2014_1.jpg") == "val2014__COCO_val2014_1_jpg"
+    assert re.fullmatch(r"my_pics_a_b_c_PNG-[0-9a-f]{8}", image_key("my pics/a.b c.PNG"))
+    assert image_key("my pics/a.b c.PNG") == image_key("my pics/a.b c.PNG")  # stable
