@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.images import add_pixel_limit_flag
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import (
     FLICKR8K_IMAGES,
@@ -81,6 +82,7 @@ def _common_flags() -> argparse.ArgumentParser:
     flags.add_argument("--vocab",
                        help="reuse vocab.json (or the folder of a featurized set or model; a "
                             "path or an http(s) URL)")
+    add_pixel_limit_flag(flags)
     return flags
 
 
@@ -175,7 +177,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> Settings:
         boxes=args.boxes, box_options=options, shard_size=args.shard_size,
         workers=args.workers, splits=args.splits, limit=args.limit, train_split=args.train_split,
         min_word_count=args.min_word_count, relation_min_fraction=args.relation_min_fraction,
-        word_vectors=args.word_vectors, vocab=args.vocab,
+        word_vectors=args.word_vectors, vocab=args.vocab, max_image_pixels=args.max_image_pixels,
         command=shlex.join(["python", "-m", "featurizer", *argv]))
 
 

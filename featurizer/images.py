@@ -1,18 +1,20 @@
 """Reading and checking one image file: the shards keep its original bytes, boxes need pixels.
 
-A file that is missing, unreadable, truncated or not JPEG/PNG raises `BadImage` with a reason
-code, so the caller can report and skip it.
+A file that is missing, unreadable, truncated, not JPEG/PNG or over the pixel bound raises
+`BadImage` with a reason code, so the caller can report and skip it. The pixels come from
+`defrag.images.decode`, the trainer's decoder too: oriented 8-bit RGB, so boxes and the pixels
+the trainer decodes from the same bytes agree.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from featurizer.records import BAD_IMAGE, MISSING_IMAGE, UNSUPPORTED_FORMAT
+from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode
+from featurizer.records import BAD_IMAGE, MISSING_IMAGE, TOO_LARGE, UNSUPPORTED_FORMAT
 
 # PIL format -> WebDataset extension the trainer decodes; the bytes are stored as they are.
 EXTENSIONS = {"JPEG": "jpg", "PNG": "png"}
@@ -29,11 +31,12 @@ class BadImage(Exception):
 class LoadedImage:
     data: bytes  # the file's bytes, not re-encoded
     extension: str  # "jpg" or "png", from the decoded format (not the file name)
-    image: Image.Image  # fully decoded RGB pixels
+    image: Image.Image  # fully decoded 8-bit RGB pixels, EXIF orientation applied
 
 
-def load_image(path: Path) -> LoadedImage:
-    """Read and fully decode `path` (a truncated file fails here, not later in training)."""
+def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> LoadedImage:
+    """Read and fully decode `path` (a truncated file fails here, not later in training); an
+    image over `max_pixels` is refused from its header."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -41,16 +44,13 @@ def load_image(path: Path) -> LoadedImage:
     except OSError as err:
         raise BadImage(BAD_IMAGE, f"cannot read {path} ({err})") from None
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            kind = image.format
-            if kind not in EXTENSIONS:
-                raise BadImage(UNSUPPORTED_FORMAT, f"{path} is {kind}, not JPEG or PNG")
-            image.load()
-            pixels = image.convert("RGB")
-    except BadImage:
-        raise
+        decoded = decode(data, str(path), max_pixels=max_pixels)
+    except ImageTooLarge as err:
+        raise BadImage(TOO_LARGE, str(err)) from None
     except UnidentifiedImageError:
         raise BadImage(BAD_IMAGE, f"{path} is not an image file PIL can identify") from None
     except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ... on bad files
         raise BadImage(BAD_IMAGE, f"cannot decode {path} ({type(err).__name__}: {err})") from None
-    return LoadedImage(data=data, extension=EXTENSIONS[kind], image=pixels)
+    if decoded.format not in EXTENSIONS:
+        raise BadImage(UNSUPPORTED_FORMAT, f"{path} is {decoded.format}, not JPEG or PNG")
+    return LoadedImage(data=data, extension=EXTENSIONS[decoded.format], image=decoded.image)

@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
@@ -61,6 +62,7 @@ class Settings:
     relation_min_fraction: float = 0.01
     word_vectors: Path | None = None
     vocab: str | None = None  # a vocab.json, or a folder holding one; a path or an http(s) URL
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are skipped, counted as too_large
     command: str = ""
 
 
@@ -135,7 +137,7 @@ def _plan(by_split: dict[str, list[ImageRecord]], settings: Settings,
     for split, records in by_split.items():
         directory = settings.out / split
         planned = plan_shards(split, records, directory, settings.shard_size,
-                              fingerprint_settings)
+                              fingerprint_settings, settings.max_image_pixels)
         if directory.is_dir():
             clear_leftovers(directory, len(planned))
         specs += planned

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import webdataset as wds
 
+from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION
 from featurizer.images import BadImage, LoadedImage, load_image
 from featurizer.parsing import ParsedCaption, Parser
@@ -44,6 +45,7 @@ class ShardSpec:
     directory: Path
     records: list[ImageRecord]
     fingerprint: str
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are skipped (too_large)
 
     @property
     def tar_path(self) -> Path:
@@ -55,12 +57,15 @@ class ShardSpec:
 
 
 def plan_shards(split: str, records: list[ImageRecord], directory: Path, shard_size: int,
-                settings: dict) -> list[ShardSpec]:
-    """Cut a split's records (sorted by image id) into shards of `shard_size` images."""
+                settings: dict, max_image_pixels: int = MAX_IMAGE_PIXELS) -> list[ShardSpec]:
+    """Cut a split's records (sorted by image id) into shards of `shard_size` images; the pixel
+    bound is part of the fingerprint (it decides which images are kept)."""
     if shard_size < 1:
         raise ValueError(f"shard size must be positive, got {shard_size}")
     ordered = sorted(records, key=lambda r: r.image_id)
-    return [ShardSpec(split, index, directory, chunk, _fingerprint(chunk, settings))
+    settings = {**settings, "max_image_pixels": max_image_pixels}
+    return [ShardSpec(split, index, directory, chunk, _fingerprint(chunk, settings),
+                      max_image_pixels)
             for index, chunk in enumerate(ordered[start:start + shard_size]
                                           for start in range(0, len(ordered), shard_size))]
 
@@ -118,7 +123,7 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
     loaded: list[tuple[ImageRecord, LoadedImage]] = []
     for record in spec.records:
         try:
-            loaded.append((record, load_image(record.path)))
+            loaded.append((record, load_image(record.path, spec.max_image_pixels)))
         except BadImage as bad:
             problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
             progress(1)

@@ -13,6 +13,7 @@ choose).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -26,11 +27,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from defrag.images import MAX_IMAGE_PIXELS
 from defrag.vocab import Vocabulary
 from featurizer.boxes import BoxSource, rebuild_box_source
 from featurizer.images import BadImage, load_image
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import Settings
+from featurizer.records import TOO_LARGE
 from trainer.batch import CaptionedImage, owners, stack_pixels, tree_fields, unit_float
 from trainer.config import Config
 from trainer.files import CHECKSUMS
@@ -49,6 +52,10 @@ class RetrievalError(ValueError):
     """A retrieval input that cannot be used; the message names it."""
 
 
+class ImageTooLargeError(RetrievalError):
+    """An image over the embedder's pixel bound, refused from its header (the web app: 413)."""
+
+
 @dataclass
 class Embedder:
     """A model with the featurizer steps that turn new inputs into its fragments: the box source
@@ -60,6 +67,7 @@ class Embedder:
     model_key: str  # sha256 of the model folder's checksums.json
     boxes: dict[str, Any]
     parser_name: str
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused before decoding
 
     @functools.cached_property
     def box_source(self) -> BoxSource:
@@ -73,7 +81,8 @@ class Embedder:
 
     @functools.cached_property
     def decoder(self) -> SampleDecoder:
-        return SampleDecoder.from_config(self.cfg, self.vocab)
+        decoder = SampleDecoder.from_config(self.cfg, self.vocab)
+        return dataclasses.replace(decoder, max_pixels=self.max_image_pixels)
 
 
 def load_embedder(model_dir: Path, boxes: str | None, detector_weights: str | None,
@@ -139,7 +148,7 @@ def _choose_parser(manifest: dict | None, name: str | None) -> str:
 def read_image(path: Path, embedder: Embedder) -> tuple[CaptionedImage, np.ndarray]:
     """One image file as the trainer sees it (a shard sample without captions), and its boxes
     in the file's pixels. BadImage / BadSample name the problem."""
-    loaded = load_image(path)
+    loaded = load_image(path, embedder.max_image_pixels)
     boxes, _ = embedder.box_source(loaded.image)
     meta = {"image_id": path.name, "width": loaded.image.width, "height": loaded.image.height,
             "boxes": boxes, "captions": []}
@@ -167,7 +176,9 @@ def embed_images(paths: Sequence[Path], embedder: Embedder, skip_bad: bool,
                 except (BadImage, BadSample) as err:
                     problem = str(err) if isinstance(err, BadImage) else f"{path}: {err}"
                     if not skip_bad:
-                        raise RetrievalError(f"unusable image: {problem}") from err
+                        too_large = isinstance(err, BadImage) and err.reason == TOO_LARGE
+                        error = ImageTooLargeError if too_large else RetrievalError
+                        raise error(f"unusable image: {problem}") from err
                     log.warning("skipped an unusable image: %s", problem)
                     problems[path.name] = problem
                 else:

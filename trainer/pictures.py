@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from defrag.images import to_rgb
+
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
 
@@ -142,10 +144,11 @@ def word_contribution_figure(image: Image.Image, sentence: str,
 
 
 def _scaled(image: Image.Image) -> tuple[Image.Image, float]:
-    """The image in RGB with its longer side IMAGE_SIDE, and the scale factor."""
+    """The image in 8-bit RGB (`defrag.images.to_rgb`, any mode) with its longer side
+    IMAGE_SIDE, and the scale factor."""
     scale = IMAGE_SIDE / max(image.size)
     size = (round(image.width * scale), round(image.height * scale))
-    return image.convert("RGB").resize(size, Image.Resampling.BICUBIC), scale
+    return to_rgb(image).resize(size, Image.Resampling.BICUBIC), scale
 
 
 def _beside(picture: Image.Image, lines: Sequence[str], rows: int,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import tarfile
@@ -30,9 +29,9 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode
 from defrag.urls import ShardError, describe_error, open_url
 from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
@@ -101,21 +100,14 @@ class ReadOptions:
 # One sample -> a CaptionedImage
 
 
-def decode_image(data: bytes, size: int) -> tuple[np.ndarray, tuple[int, int]]:
+def decode_image(data: bytes, size: int, max_pixels: int = MAX_IMAGE_PIXELS
+                 ) -> tuple[np.ndarray, tuple[int, int]]:
     """Image bytes -> RGB uint8 [size, size, 3] (aspect ratio not kept), and the original
-    (width, height). Channels move first in `collate`, which copies the pixels anyway.
-
-    A JPEG at least twice the target size is decoded at 1/2, 1/4 or 1/8 scale first (PIL's
-    `draft`: DCT-domain downscaling, much cheaper than decoding every pixel); an image already
-    RGB and size x size is not copied again.
-    """
-    with Image.open(io.BytesIO(data)) as image:
-        original = image.size
-        image.draft("RGB", (size, size))
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        if rgb.size != (size, size):
-            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-        return np.asarray(rgb), original
+    (width, height), both oriented, by `defrag.images.decode` (the featurizer's decoder: JPEG
+    `draft` downscaling, no copy of an RGB image at size). Channels move first in `collate`,
+    which copies the pixels anyway. ImageTooLarge over `max_pixels`, before decoding."""
+    decoded = decode(data, "the image", (size, size), max_pixels)
+    return np.asarray(decoded.image), decoded.size
 
 
 def image_key(image_id: str) -> int:
@@ -135,14 +127,15 @@ class SampleDecoder:
     max_boxes: int  # boxes kept per image, the whole image (row 0) included
     fragment_mode: str
     trees: bool = False
+    max_pixels: int = MAX_IMAGE_PIXELS  # larger images are skipped (data.max_image_pixels)
 
     @classmethod
     def from_config(cls, cfg: Config, vocab: Vocabulary) -> SampleDecoder:
         """model.image_size / fragment_mode / fullframe_only / sentence_encoder and
-        data.max_boxes."""
+        data.max_boxes / max_image_pixels."""
         max_boxes = 1 if cfg.model.fullframe_only else cfg.data.max_boxes
         return cls(vocab, cfg.model.image_size, max_boxes, cfg.model.fragment_mode,
-                   reads_trees(cfg))
+                   reads_trees(cfg), cfg.data.max_image_pixels)
 
     def decode(self, sample: dict, pixels: bool = True) -> CaptionedImage:
         """The CaptionedImage of one shard sample (its pixels left undecoded unless `pixels`);
@@ -184,7 +177,9 @@ class SampleDecoder:
         """The pixels of `image` decoded from `data`; BadSample if the bytes do not decode to an
         image of the size its metadata gives."""
         try:
-            pixels, size = decode_image(data, self.image_size)
+            pixels, size = decode_image(data, self.image_size, self.max_pixels)
+        except ImageTooLarge as err:
+            raise BadSample(str(err)) from None
         except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
             raise BadSample(f"cannot decode the image ({type(err).__name__}: {err})") from None
         if size != image.size:

@@ -1,0 +1,215 @@
+"""One image decoder (defrag/images.py) behind every path that reads an image: the featurizer's
+(`featurizer.images.load_image`: boxes), the trainer's reader (`trainer.reader.decode_image`:
+training, evaluation, captioner) and the embedder's (`trainer.embedder.read_image`: index,
+retrieval, pyfunc, web app uploads). Every mode PIL opens becomes the expected 8-bit RGB, EXIF
+orientation is applied with the same pixels and oriented size on every path, and an image over
+the pixel bound is refused from its header, before decoding (tests/test_serve.py: the web app's
+413)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from defrag.vocab import Vocabulary
+from featurizer.images import BadImage, load_image
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from trainer.config import Config, ModelConfig
+from trainer.embedder import Embedder, read_image
+from trainer.model import DeFragModel
+from trainer.reader import BadSample, SampleDecoder, decode_image
+
+WIDTH, HEIGHT = 16, 8
+WHITE = 255  # defrag.images.BACKGROUND: transparent pixels are shown over white
+COLUMNS = np.arange(WIDTH)
+
+
+def rows(values: np.ndarray) -> np.ndarray:
+    """One row of per-column values repeated HEIGHT times."""
+    return np.repeat(values[None, :], HEIGHT, axis=0)
+
+
+def grey(values: np.ndarray) -> np.ndarray:
+    """Per-column grey levels as the RGB array they should decode to."""
+    return np.repeat(rows(values.astype(np.uint8))[..., None], 3, axis=2)
+
+
+def encoded(image: Image.Image, kind: str, **options: object) -> bytes:
+    out = io.BytesIO()
+    image.save(out, kind, **options)
+    return out.getvalue()
+
+
+def sixteen_bit() -> np.ndarray:
+    return COLUMNS * 4369  # 0 .. 65535 over the columns: a 16-bit gradient, white only at the end
+
+
+def half_transparent(image: Image.Image) -> Image.Image:
+    """`image` with its left half fully transparent and its right half opaque."""
+    alpha = Image.fromarray(rows(np.where(COLUMNS < WIDTH // 2, 0, 255).astype(np.uint8)))
+    image.putalpha(alpha)
+    return image
+
+
+def palette(mode: str) -> Image.Image:
+    image = Image.fromarray(rows(np.where(COLUMNS < WIDTH // 2, 0, 1).astype(np.uint8)), "P")
+    image.putpalette([0, 0, 0, 10, 200, 30])
+    return half_transparent(image) if mode == "PA" else image
+
+
+def halves(left: tuple[int, int, int], right: tuple[int, int, int]) -> np.ndarray:
+    """RGB pixels: the left half one colour, the right half another."""
+    return np.repeat(np.where(COLUMNS[:, None] < WIDTH // 2, left, right)[None], HEIGHT,
+                     axis=0).astype(np.uint8)
+
+
+def over_white(colour: tuple[int, int, int]) -> np.ndarray:
+    """The expected pixels of a half-transparent image of one `colour`."""
+    return halves((WHITE,) * 3, colour)
+
+
+# name -> (file bytes, expected RGB pixels, tolerance): TIFF carries the modes JPEG and PNG cannot
+WIDE = COLUMNS * 200_000_000 - 1_500_000_000  # a 32-bit range: stretched from min..max
+MODES = {
+    "I;16 PNG": (encoded(Image.fromarray(rows(sixteen_bit()).astype(np.uint16)), "PNG"),
+                 grey(sixteen_bit() >> 8), 0),
+    "I;16B TIFF": (encoded(Image.frombytes("I;16B", (WIDTH, HEIGHT), rows(sixteen_bit()).astype(
+        ">u2").tobytes()), "TIFF"), grey(sixteen_bit() >> 8), 0),
+    "I;16L TIFF": (encoded(Image.frombytes("I;16L", (WIDTH, HEIGHT), rows(sixteen_bit()).astype(
+        "<u2").tobytes()), "TIFF"), grey(sixteen_bit() >> 8), 0),
+    "I 16-bit values TIFF": (encoded(Image.fromarray(rows(sixteen_bit()).astype(np.int32)),
+                                     "TIFF"), grey(sixteen_bit() >> 8), 0),
+    "I 32-bit values TIFF": (encoded(Image.fromarray(rows(WIDE).astype(np.int32)), "TIFF"),
+                             grey(np.rint((WIDE - WIDE.min()) * 255 / np.ptp(WIDE))), 0),
+    "F 0..1 TIFF": (encoded(Image.fromarray(rows(COLUMNS / 15).astype(np.float32)), "TIFF"),
+                    grey(np.rint(COLUMNS / 15 * 255)), 0),
+    "LA PNG": (encoded(half_transparent(Image.new("L", (WIDTH, HEIGHT), 100)), "PNG"),
+               over_white((100, 100, 100)), 0),
+    "RGBA PNG": (encoded(half_transparent(Image.new("RGB", (WIDTH, HEIGHT), (200, 30, 40))),
+                         "PNG"), over_white((200, 30, 40)), 0),
+    "P with transparency PNG": (encoded(palette("P"), "PNG", transparency=0),
+                                over_white((10, 200, 30)), 0),
+    "PA TIFF": (encoded(palette("PA"), "TIFF"), over_white((10, 200, 30)), 0),
+    "RGB with a transparent colour PNG": (
+        encoded(Image.fromarray(halves((1, 2, 3), (70, 80, 90))), "PNG", transparency=(1, 2, 3)),
+        over_white((70, 80, 90)), 0),
+    "CMYK TIFF": (encoded(Image.new("CMYK", (WIDTH, HEIGHT), (0, 255, 0, 0)), "TIFF"),
+                  np.full((HEIGHT, WIDTH, 3), (255, 0, 255), np.uint8), 0),
+    "CMYK JPEG": (encoded(Image.new("CMYK", (WIDTH, HEIGHT), (0, 255, 0, 0)), "JPEG",
+                          quality=95), np.full((HEIGHT, WIDTH, 3), (255, 0, 255), np.uint8), 3),
+    "1 PNG": (encoded(Image.fromarray(rows(COLUMNS % 2 == 1)), "PNG"),
+              grey(np.where(COLUMNS % 2 == 1, 255, 0)), 0),
+    "L PNG": (encoded(Image.fromarray(rows(COLUMNS * 16).astype(np.uint8)), "PNG"),
+              grey(COLUMNS * 16), 0),
+}
+
+
+def assert_close(pixels: np.ndarray, expected: np.ndarray, tolerance: int) -> None:
+    assert pixels.dtype == np.uint8 and pixels.shape == expected.shape
+    difference = np.abs(pixels.astype(int) - expected.astype(int)).max()
+    assert difference <= tolerance, f"off by {difference}:\n{pixels[..., 0]}\n{expected[..., 0]}"
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_every_mode_becomes_the_expected_8_bit_rgb(name: str, tmp_path: Path) -> None:
+    data, expected, tolerance = MODES[name]
+    # the reader decodes whatever a shard holds; at the image's own size nothing is resized
+    pixels, size = decode_image(data, WIDTH)
+    assert size == (WIDTH, HEIGHT)
+    assert_close(pixels[:HEIGHT], np.asarray(Image.fromarray(expected).resize(
+        (WIDTH, WIDTH), Image.Resampling.BILINEAR))[:HEIGHT], tolerance)
+    if "TIFF" not in name:  # the featurizer (and the embedder, through it) takes JPEG and PNG
+        path = tmp_path / "image"
+        path.write_bytes(data)
+        assert_close(np.asarray(load_image(path).image), expected, tolerance)
+
+
+# ---------------------------------------------------------------- EXIF orientation
+
+
+def tiny_embedder(image_size: int) -> Embedder:
+    """A real (untrained) model's embedder with whole-image boxes: what read_image needs."""
+    vocab = Vocabulary(["dog"], ["nsubj"])
+    model_cfg = ModelConfig(embed_dim=8, word_dim=4, pretrained=False, image_size=image_size)
+    model = DeFragModel.from_config(model_cfg, vocab, seed=0)
+    return Embedder(model, Config(model=model_cfg), vocab, "key",
+                    {"name": "fullframe", "options": {}}, "spacy")
+
+
+@pytest.mark.parametrize(("orientation", "turns"), [(6, -1), (8, 1)])
+def test_exif_orientation_gives_the_upright_view_on_every_path(orientation: int, turns: int,
+                                                               tmp_path: Path) -> None:
+    stored = np.zeros((24, 40, 3), np.uint8)  # four coloured quadrants tell every turn apart
+    stored[:12, :20], stored[:12, 20:], stored[12:, :20] = (250, 0, 0), (0, 250, 0), (0, 0, 250)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "phone.jpg"
+    Image.fromarray(stored).save(path, "JPEG", quality=95, exif=exif.tobytes())
+    upright = np.rot90(np.asarray(Image.open(path).convert("RGB")), turns)  # as a viewer shows it
+
+    featurized = load_image(path).image  # boxes are computed on these pixels
+    assert featurized.size == (24, 40)
+    assert np.array_equal(np.asarray(featurized), upright)
+
+    size = 32
+    pixels, original = decode_image(path.read_bytes(), size)  # training and evaluation
+    assert original == (24, 40)
+    resized = np.asarray(featurized.resize((size, size), Image.Resampling.BILINEAR))
+    assert np.array_equal(pixels, resized)
+
+    image, boxes = read_image(path, tiny_embedder(size))  # index, retrieval, pyfunc, web app
+    assert np.array_equal(image.pixels, resized)
+    assert boxes.tolist() == [[0, 0, 24, 40]]
+
+
+# ---------------------------------------------------------------- the pixel bound
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height RGB but whose pixel data is a few bytes: it can
+    only be refused from its header, never decoded."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
+                                                                0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_an_image_over_the_pixel_bound_is_refused_before_decoding(tmp_path: Path) -> None:
+    path = tmp_path / "huge.png"
+    path.write_bytes(png_header(7000, 7000))  # 49 Mpx, over the default 40 Mpx
+    with pytest.raises(BadImage) as refused:
+        load_image(path)
+    assert refused.value.reason == "too_large"
+    assert str(refused.value) == (
+        f"{path} is 7000 x 7000 pixels (49.0 megapixels), over the limit of 40000000 "
+        f"(40 megapixels): scale it down, or raise the limit (max_image_pixels)")
+    decoder = SampleDecoder(Vocabulary(["dog"], ["nsubj"]), 32, 20, "triplet")
+    with pytest.raises(BadSample, match=r"7000 x 7000 pixels .* over the limit of 40000000"):
+        decoder.pixels_of(decoder.describe(json.dumps({
+            "image_id": "huge", "width": 7000, "height": 7000, "boxes": [[0, 0, 7000, 7000]],
+            "captions": []})), path.read_bytes())
+
+
+def test_the_featurizer_counts_and_skips_an_image_over_the_bound(tmp_path: Path) -> None:
+    (tmp_path / "small.png").write_bytes(encoded(Image.new("RGB", (40, 30), "red"), "PNG"))
+    (tmp_path / "large.png").write_bytes(encoded(Image.new("1", (100, 100)), "PNG"))
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps({"image": name, "captions": ["A red dog runs ."]}) + "\n"
+                             for name in ("small.png", "large.png")))
+    manifest = featurize(read_jsonl(jsonl, tmp_path, "train"), Settings(
+        out=tmp_path / "out", parser="spacy", boxes="fullframe", workers=1, min_word_count=1,
+        max_image_pixels=5000))
+    assert manifest["splits"]["train"]["images"] == 1
+    assert manifest["skipped"]["by_reason"] == {"too_large": 1}
+    [item] = manifest["skipped"]["items"]
+    assert item["line"] == 2 and "large.png is 100 x 100 pixels" in item["detail"]
