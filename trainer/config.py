@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
+from defrag.images import MAX_IMAGE_PIXELS
 from trainer.encoders import NAMES, encoder_class
 
 
@@ -150,6 +151,7 @@ class DataConfig:
     resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
     epoch_pairs: PositiveInt | None = None  # pairs per epoch when resampled; None: the split's
     max_boxes: PositiveInt = 20  # image fragments per image, whole image included (3.2: 19 + image)
+    max_image_pixels: PositiveInt = MAX_IMAGE_PIXELS  # larger images are skipped, from the header
     seed: int | None = None  # data order: shard deal and shuffles; None: the run's seed
 
 
