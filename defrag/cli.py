@@ -1,6 +1,7 @@
 """How every command line of the project reports an error: one line on stderr naming what is
 wrong (the file, key, URL or flag at fault, as the exception says it) and a non-zero exit status;
-`--debug` shows the full traceback instead.
+`--debug` shows the full traceback instead. Credentials in that line and in the command's log
+lines are masked (defrag.urls.redact).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+
+from defrag.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +34,29 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+class RedactingFilter(logging.Filter):
+    """Masks credentials in the message of every log record a handler emits."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        return True
+
+
 @contextlib.contextmanager
 def one_line_errors(prog: str, debug: bool = False) -> Iterator[None]:
     """Run a command's work: an exception becomes `prog: error: ...` on stderr and exit status 1
-    (the traceback at debug level in the log); with `debug` it propagates with its traceback."""
+    (the traceback at debug level in the log); with `debug` it propagates with its traceback.
+    Meanwhile the root logger's handlers mask credentials (RedactingFilter)."""
+    handlers, masking = list(logging.getLogger().handlers), RedactingFilter()
+    for handler in handlers:
+        handler.addFilter(masking)
     try:
         yield
     except Exception as err:
         if debug:
             raise
         log.debug("%s failed", prog, exc_info=True)
-        sys.exit(f"{prog}: error: {describe(err)} (--debug shows the traceback)")
+        sys.exit(f"{prog}: error: {redact(describe(err))} (--debug shows the traceback)")
+    finally:
+        for handler in handlers:
+            handler.removeFilter(masking)

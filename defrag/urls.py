@@ -2,16 +2,28 @@
 other scheme of webdataset's `gopen`; small files (manifest, vocabulary) read whole, retried.
 
 http(s) is opened with curl, as webdataset does, but with a timeout, so that a stalled or refused
-transfer ends after `timeout` seconds; curl's exit codes are put in words.
+transfer ends after `timeout` seconds; curl's exit codes and HTTP statuses are put in words. The
+URL and any credentials reach curl on its standard input (`--config -`), never on its command
+line, which `ps` shows to every user: a password in the URL (`https://user:pw@host/...`, not
+recommended), `~/.netrc` (`--netrc-optional`), or an `Authorization` header taken from the
+environment variable DEFRAG_HTTP_AUTHORIZATION (e.g. `Bearer <token>`).
+
+`redact` masks credentials wherever a URL or a config leaves the process (logs, error lines,
+MLflow, model and checkpoint folders, JSON outputs).
 """
 
 from __future__ import annotations
 
+import http
+import os
 import posixpath
 import re
+import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+from urllib.parse import unquote, urlsplit
 
 import webdataset as wds
 from webdataset.gopen import Pipe
@@ -21,8 +33,110 @@ CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed 
              52: "empty reply", 56: "connection reset"}
 
 
+AUTHORIZATION_ENV = "DEFRAG_HTTP_AUTHORIZATION"  # the Authorization header of http(s) reads
+MASK = "***"
+# Query parameters and NAME=value settings whose value is a secret, by name, case-insensitive:
+# signed URLs of AWS (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token), Google Cloud
+# Storage (X-Goog-Signature, X-Goog-Credential; Signature of V2), Azure SAS (sig), CloudFront
+# (Signature); OAuth and API keys (token, access_token, key, api_key, apikey); environment
+# settings and flags of `pipe:` commands (AWS_SECRET_ACCESS_KEY=, AWS_SESSION_TOKEN=,
+# --password=). Any name ending in signature, credential, token, secret, password, passwd,
+# apikey, authorization, or in key after a separator (`_key`, `-key`, `.key`), and sig, pwd.
+SECRET_NAME = (r"[\w.-]*?(?:signature|credential|token|secret|password|passwd|apikey|"
+               r"authorization)|(?:[\w.-]*[-_.])?key|sig|pwd")
+_REDACTIONS = [
+    # user:password@ (or a token as the user name) in a URL of any scheme
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#'\"<>]*)@"),
+     lambda m: f"{m[1]}{m[2].split(':')[0] + ':' if ':' in m[2] else ''}{MASK}@"),
+    # NAME=value: a query parameter, an environment setting, a --flag=value
+    (re.compile(rf"(?i)(?<![\w.-])({SECRET_NAME})=(?:(?!::)[^\s&#'\"<>,;{{}}])+"),
+     lambda m: f"{m[1]}={MASK}"),
+    # a --flag value of a secret, and curl's -u/--user user:password
+    (re.compile(rf"(?i)(?<!\S)(--?(?:{SECRET_NAME}))(\s+)(['\"]?)[^\s'\"]+"),
+     lambda m: f"{m[1]}{m[2]}{m[3]}{MASK}"),
+    (re.compile(r"(?<!\S)(-u|--user)(\s+|=)(['\"]?)([^\s'\":]*):[^\s'\"]+"),
+     lambda m: f"{m[1]}{m[2]}{m[3]}{m[4]}:{MASK}"),
+    # an Authorization header in text (`Authorization: Bearer abc`)
+    (re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)((?:basic|bearer|digest|token|"
+                r"negotiate)\s+)?[^\s'\",;]+"),
+     lambda m: f"{m[1]}{m[2] or ''}{MASK}"),
+]
+
+
+def redact(value: Any) -> Any:
+    """`value` with every credential masked as MASK: in a string (a URL, a shard list, a `pipe:`
+    command, an error line) and in the strings of nested dicts and lists (a config). Masking a
+    masked value changes nothing, so masked values compare equal to themselves."""
+    if isinstance(value, str):
+        for pattern, replacement in _REDACTIONS:
+            value = pattern.sub(replacement, value)
+        return value
+    if isinstance(value, Mapping):
+        return {key: redact(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(redact(item) for item in value)
+    return value
+
+
 class ShardError(RuntimeError):
     """A shard or a manifest that cannot be read: missing, unreachable or damaged."""
+
+
+class HttpError(OSError):
+    """An http(s) read the server answered with an error status (`status`)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+
+    @property
+    def permanent(self) -> bool:
+        """A client error that a retry cannot mend (401, 403, 404; not 408 or 429)."""
+        return 400 <= self.status < 500 and self.status not in (408, 429)
+
+
+class _Curl(Pipe):
+    """curl's output as a stream; a failed transfer raises OSError (HttpError for an HTTP
+    status) with curl's own error line, which it writes to a pipe of ours."""
+
+    said: str | None = None
+
+    def wait_for_child(self) -> None:
+        try:
+            super().wait_for_child()
+        except OSError:
+            if self.said is None:
+                self.said = self.proc.stderr.read().decode(errors="replace").strip()
+                self.proc.stderr.close()
+            status = re.search(r"returned error: (\d{3})", self.said)
+            text = f"curl exit {self.status}: {self.said}"
+            raise (HttpError(int(status[1]), text) if status else OSError(text)) from None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.proc.stderr.close()
+
+
+def _curl_config(url: str) -> bytes:
+    """curl's settings for `url` in its config-file syntax (read from its stdin): the URL, the
+    URL's user:password as `user`, and the Authorization header of AUTHORIZATION_ENV."""
+    parts = urlsplit(url)
+    settings = {}
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        settings["user"] = unquote(userinfo)
+        url = parts._replace(netloc=host).geturl()
+    settings["url"] = url
+    if os.environ.get(AUTHORIZATION_ENV):
+        settings["header"] = f"Authorization: {os.environ[AUTHORIZATION_ENV]}"
+    return "".join(f'{name} = "{_escaped(value)}"\n' for name, value in settings.items()).encode()
+
+
+def _escaped(value: str) -> str:
+    """`value` inside double quotes of a curl config file."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def is_remote(url: str) -> bool:
@@ -35,22 +149,47 @@ def open_url(url: str, timeout: float) -> IO[bytes]:
     webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail."""
     if url.startswith(("http://", "https://")):
         seconds = str(max(1, round(timeout)))
-        command = ["curl", "--fail", "--silent", "--show-error", "--location",
+        command = ["curl", "--fail", "--silent", "--show-error", "--location", "--netrc-optional",
                    "--connect-timeout", seconds, "--speed-limit", "1", "--speed-time", seconds,
-                   url]
-        # 23 and 141: curl stopped because the reader closed the stream early (SIGPIPE)
-        return Pipe(command, mode="rb", bufsize=1 << 20, ignore_status=[23, 141],
-                    timeout=timeout)
+                   "--config", "-"]
+        settings_read, settings_write = os.pipe()
+        os.write(settings_write, _curl_config(url))  # far below a pipe's buffer: never blocks
+        os.close(settings_write)
+        try:
+            # 23 and 141: curl stopped because the reader closed the stream early (SIGPIPE)
+            return _Curl(command, mode="rb", bufsize=1 << 20, ignore_status=[23, 141],
+                         timeout=timeout, stdin=settings_read, stderr=subprocess.PIPE)
+        finally:
+            os.close(settings_read)
     return wds.gopen(url, "rb", bufsize=1 << 20)
 
 
+HTTP_ADVICE = {
+    401: f"the server wants credentials: put them in ~/.netrc or set {AUTHORIZATION_ENV} "
+         f"(README.md, \"Shards on a web server or object storage\")",
+    403: "the server refuses these credentials, or a signed URL has expired: check them, or "
+         "sign the URL again"}
+
+
 def describe_error(err: BaseException) -> str:
-    """An exception of a stream as one line, curl's exit codes in words."""
+    """An exception of a stream as one line, curl's exit codes and HTTP statuses in words,
+    credentials masked."""
     text = f"{type(err).__name__}: {err}"
     match = re.search(r"\bexit (\d+)", text)
-    if match and "curl" in text and int(match.group(1)) in CURL_EXIT:
+    if isinstance(err, HttpError):
+        text = f"curl exit 22, HTTP {err.status} {_phrase(err.status)}"
+        if err.status in HTTP_ADVICE:
+            text += f": {HTTP_ADVICE[err.status]}"
+    elif match and "curl" in text and int(match.group(1)) in CURL_EXIT:
         text = f"curl exit {match.group(1)}, {CURL_EXIT[int(match.group(1))]}"
-    return text.splitlines()[0] if text else type(err).__name__
+    return redact(text.splitlines()[0]) if text else type(err).__name__
+
+
+def _phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "error"
 
 
 def read_url(url: str, timeout: float = 60.0, retries: int = 3) -> bytes:
@@ -65,8 +204,10 @@ def read_url(url: str, timeout: float = 60.0, retries: int = 3) -> bytes:
             with open_url(url, timeout) as stream:
                 return stream.read()
         except (OSError, ValueError) as err:
+            if isinstance(err, HttpError) and err.permanent:  # a retry would get the same
+                raise ShardError(f"cannot read {redact(url)} ({describe_error(err)})") from err
             if attempt == retries:
-                raise ShardError(f"cannot read {url} after {retries + 1} attempts "
+                raise ShardError(f"cannot read {redact(url)} after {retries + 1} attempts "
                                  f"({describe_error(err)})") from err
             time.sleep(min(2.0 ** attempt, 10.0))
     raise AssertionError("unreachable")

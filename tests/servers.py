@@ -1,7 +1,9 @@
-"""Real servers on 127.0.0.1 for tests: a folder over HTTP with injectable faults, and moto's S3."""
+"""Real servers on 127.0.0.1 for tests: a folder over HTTP with injectable faults (and basic
+authentication), and moto's S3."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import socket
@@ -34,10 +36,11 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False  # never wait on a handler at exit; `stopping` wakes the stalled ones
 
     def __init__(self, folder: HttpFolder, faults: dict, drop_times: int, drop_delay: float,
-                 *args) -> None:
+                 authorization: str | None, *args) -> None:
         super().__init__(*args)
         self.folder, self.faults, self.drop_times = folder, faults, drop_times
         self.drop_delay = drop_delay
+        self.authorization = authorization  # the Authorization header a request must carry
         self.stopping = threading.Event()
 
     def handle_error(self, request, client_address) -> None:
@@ -51,6 +54,13 @@ class _Handler(SimpleHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
+        wanted = self.server.authorization
+        if wanted is not None and self.headers.get("Authorization") != wanted:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="shards"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         path = urlsplit(self.path).path
         rel = unquote(path).lstrip("/")
         folder, faults = self.server.folder, self.server.faults
@@ -84,12 +94,14 @@ class _Handler(SimpleHTTPRequestHandler):
 @contextmanager
 def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
                  drop_times: int = 1, drop_delay: float = 0.0, missing: set[str] | None = None,
-                 stall: set[str] | None = None) -> Iterator[HttpFolder]:
+                 stall: set[str] | None = None, basic_auth: str | None = None
+                 ) -> Iterator[HttpFolder]:
     """Serve `root` on 127.0.0.1 at a free port; fault keys are paths relative to `root`.
 
     drop_after[path] = n: send n body bytes and hang up `drop_delay` s later, for the first
     `drop_times` requests.
-    missing: answer 404. stall: send half the body, then hold the connection until exit."""
+    missing: answer 404. stall: send half the body, then hold the connection until exit.
+    basic_auth: "user:password" every request must give (HTTP basic authentication), else 401."""
     faults = {"drop_after": dict(drop_after or {}), "missing": set(missing or ()),
               "stall": set(stall or ())}
     folder = HttpFolder(url="")
@@ -97,7 +109,9 @@ def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
     def handler(*args) -> _Handler:
         return _Handler(*args, directory=str(root))
 
-    server = _Server(folder, faults, drop_times, drop_delay, ("127.0.0.1", 0), handler)
+    server = _Server(folder, faults, drop_times, drop_delay,
+                     basic_auth and basic_authorization(*basic_auth.split(":", 1)),
+                     ("127.0.0.1", 0), handler)
     folder.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               daemon=True)
@@ -109,6 +123,11 @@ def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """The Authorization header value of HTTP basic authentication."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 @dataclass

@@ -161,7 +161,7 @@ def test_a_missing_shard_is_a_shard_error_naming_the_url(shards: Path,
         message = str(failure.value)
         assert requests(server.log)[f"/{shard}"] == 2
     assert f"{server.url}/{shard} after 2 attempts" in message, message
-    assert "curl exit 22, HTTP error status (e.g. 404 Not Found)" in message, message
+    assert "curl exit 22, HTTP 404 Not Found" in message, message
 
 
 @pytest.mark.timeout(120)

@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.urls import redact
 from trainer.caption_data import sentence_vectors
 from trainer.caption_metrics import system_scores, tokenize
 from trainer.captioner import Captioner, image_vectors
@@ -125,7 +126,7 @@ def evaluate_captioner(captioner: Captioner, shards: str, split: str, images: in
         captioner, captions[system], vectors)} for system in SYSTEMS}
     rows = [{"image": image, **{s: captions[s][i] for s in SYSTEMS},
              "references": references[i]} for i, image in enumerate(embedded.image_ids)]
-    return {"images": embedded.num_images, "split": split, "shards": shards, "seed": seed,
+    return {"images": embedded.num_images, "split": split, "shards": redact(shards), "seed": seed,
             "settings": dataclasses.asdict(captioner.settings), "systems": results}, rows
 
 

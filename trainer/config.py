@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from defrag.images import MAX_IMAGE_PIXELS
+from defrag.urls import redact
 from trainer.encoders import NAMES, encoder_class
 
 
@@ -245,7 +246,9 @@ class Config:
         return asdict(self)
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+        """The config as a JSON file, credentials in URLs masked (defrag.urls.redact): the run
+        itself keeps the real one in memory, and a resume takes its URLs from its own config."""
+        Path(path).write_text(json.dumps(redact(self.to_dict()), indent=2, sort_keys=True))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.shard_format import SHARD_NAME
+from defrag.urls import redact
 from trainer.config import Config
 from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
 from trainer.features import FeatureCache, feature_stamp
@@ -399,8 +400,8 @@ def _evaluate(args: argparse.Namespace) -> None:
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
                            for k in RECALL_AT)
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
-    print(json.dumps({"model": args.model, "members": len(members), "shards": args.shards,
-                      "split": split, **metrics}))
+    print(json.dumps({"model": args.model, "members": len(members),
+                      "shards": redact(args.shards), "split": split, **metrics}))
 
 
 def _warn_other_boxes(model_dir: Path, cfg: Config) -> None:

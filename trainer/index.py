@@ -51,6 +51,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.images import MAX_IMAGE_PIXELS
+from defrag.urls import redact
 from trainer.batch import owners
 from trainer.embedder import (
     IMAGE_BATCH,
@@ -428,7 +430,8 @@ class Unit:
         return self.shard.samples if self.shard else len(self.files)
 
     def describe(self) -> dict[str, Any]:
-        return ({"shard": dataclasses.asdict(self.shard)} if self.shard
+        """What the unit's part records (credentials in its URL masked)."""
+        return ({"shard": redact(dataclasses.asdict(self.shard))} if self.shard
                 else {"files": [list(stamp) for stamp in self.files]})
 
 
@@ -467,7 +470,7 @@ def _embed_unit(unit: Unit) -> tuple[int, int]:
                        s_detail=sentences.detail)
     save_file({k: v.contiguous() for k, v in tensors.items()}, parts / f"{unit.number:06d}.st")
     write_atomically(parts / f"{unit.number:06d}.json", json.dumps({
-        "unit": unit.describe(), "images": images.items, "problems": problems,
+        "unit": unit.describe(), "images": images.items, "problems": redact(problems),
         "sentences": sentences.items if sentences is not None else None,
         "sentence_origins": origins}))
     return unit.number, unit.size
@@ -536,7 +539,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     else:
         split = locate_split(args.shards, args.split, args.manifest)
         units = [Unit(u, shard=shard) for u, shard in enumerate(split.shards)]
-        source = {"shards": args.shards, "split": args.split}
+        source = {"shards": redact(args.shards), "split": args.split}
         image_folder = (out / "files").resolve()
         links, skipped = {}, []
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,

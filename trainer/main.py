@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.urls import redact
 from trainer.checkpoint import (
     TrainState,
     clear_partial,
@@ -122,10 +123,10 @@ def run(args: argparse.Namespace, train_fn: TrainFn) -> None:
         log.info("%s", stop)
         return
     except RegistrationFailed as failed:  # trained, not registered: the summary, then exit 1
-        print(json.dumps(failed.summary))
+        print(json.dumps(redact(failed.summary)))
         raise
     if ctx.is_main:
-        print(json.dumps(summary))
+        print(json.dumps(redact(summary)))
 
 
 def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | None], None]:

@@ -32,7 +32,7 @@ import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode
-from defrag.urls import ShardError, describe_error, open_url
+from defrag.urls import ShardError, describe_error, open_url, redact
 from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
 from trainer.config import Config, DataConfig
@@ -237,12 +237,12 @@ def shard_samples(shard: Shard, options: ReadOptions, notes: Notes,
                     shard.url, f"unreadable after {seen} samples ({error}): {lost} lost"), lost))
                 return
             if attempt == attempts:
-                raise ShardError(f"cannot read shard {shard.url} after {attempts} attempts "
+                raise ShardError(f"cannot read shard {redact(shard.url)} after {attempts} attempts "
                                  f"({error}); {seen} of its {shard.samples} samples were read: "
                                  f"check that the server or bucket serves it (data.io_timeout, "
                                  f"data.io_retries)") from err
-            log.warning("shard %s: %s after %d samples; attempt %d of %d", shard.url, error,
-                        seen, attempt + 1, attempts)
+            log.warning("shard %s: %s after %d samples; attempt %d of %d", redact(shard.url),
+                        error, seen, attempt + 1, attempts)
             time.sleep(min(2.0 ** (attempt - 1), 10.0))
         except GeneratorExit:
             if stream is not None:
@@ -329,7 +329,7 @@ def _decoded(described: list[tuple[CaptionedImage, dict, str]], decoder: SampleD
 
 
 def _skipped(url: str, sample: dict, err: BadSample) -> DataProblem:
-    return DataProblem("sample", f"{url} sample {sample['__key__']!r}: {err}")
+    return DataProblem("sample", f"{redact(url)} sample {sample['__key__']!r}: {err}")
 
 
 def read_images(shards: list[Shard], decoder: SampleDecoder,

@@ -32,7 +32,7 @@ from defrag.shard_format import (
     TREE_FORMAT,
     VOCAB,
 )
-from defrag.urls import ShardError, is_remote, join_url, parent, read_url
+from defrag.urls import ShardError, is_remote, join_url, parent, read_url, redact
 from defrag.vocab import Vocabulary
 from trainer.config import DataConfig
 
@@ -42,9 +42,9 @@ NOT_SET = ("data.shards is not set: point it at the output folder of `python -m 
 
 def damaged_shard(url: str, detail: str) -> str:
     """The one message for a shard that is not what its manifest says."""
-    return (f"shard {url}: {detail}. It is damaged or incomplete: re-run the featurizer command "
-            f"of its manifest (created_by) with the same --out, which rewrites shards that no "
-            f"longer match their checksum, then copy it again wherever it is served from")
+    return (f"shard {redact(url)}: {detail}. It is damaged or incomplete: re-run the featurizer "
+            f"command of its manifest (created_by) with the same --out, which rewrites shards "
+            f"that no longer match their checksum, then copy it again wherever it is served from")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,12 +123,12 @@ def read_manifest(url: str, timeout: float = 60.0, retries: int = 3) -> dict[str
     try:
         manifest = json.loads(read_url(url, timeout, retries))
     except (ShardError, ValueError) as err:
-        raise ShardError(f"cannot read the manifest {url} ({err}): data.shards must be the "
+        raise ShardError(f"cannot read the manifest {redact(url)} ({err}): data.shards must be the "
                          f"output folder of `python -m featurizer ...` or a shard list with "
                          f"data.manifest") from err
     found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
     if type(found) is not int or found not in READABLE_FORMATS:  # not True, 1.0 or "1"
-        raise ShardError(f"{url}: shard format {found!r}, this code reads formats "
+        raise ShardError(f"{redact(url)}: shard format {found!r}, this code reads formats "
                          f"{' and '.join(map(str, READABLE_FORMATS))}; re-run this code's "
                          f"featurizer (the manifest's created_by command) to rewrite the set")
     return manifest

@@ -17,6 +17,7 @@ from typing import Any
 from mlflow.entities import Metric
 from PIL import Image
 
+from defrag.urls import redact
 from trainer.files import write_atomically
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,10 @@ class Spool:
                 self.folder.parent.rmdir()  # the last run's spool
 
     def _open(self) -> None:
-        """The folder, with run.json saying which run and store it is for (for `sync`)."""
+        """The folder, with run.json saying which run and store it is for (for `sync`; a
+        password in the store's URI is masked there, so `sync --tracking-uri` gives it)."""
         identity = self.folder / "run.json"
         if not identity.exists():
             self.folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(identity, json.dumps({"run_id": self.run_id,
-                                                    "tracking_uri": self.tracking_uri}).encode())
+            write_atomically(identity, json.dumps({
+                "run_id": self.run_id, "tracking_uri": redact(self.tracking_uri)}).encode())

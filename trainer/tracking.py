@@ -41,6 +41,7 @@ from mlflow.exceptions import MlflowException
 from PIL import Image
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.urls import redact
 from trainer.config import Config
 from trainer.spool import MAX_METRICS_PER_BATCH, Spool
 
@@ -219,8 +220,10 @@ class Tracker:
 
     @_tolerant("params")
     def log_params(self, config: Config) -> None:
-        """The full config as flat `section.key` params, and config.json as an artifact."""
-        params = [Param(key, str(value)) for key, value in flatten(config.to_dict()).items()]
+        """The full config as flat `section.key` params, and config.json as an artifact,
+        credentials masked."""
+        params = [Param(key, str(value))
+                  for key, value in flatten(redact(config.to_dict())).items()]
         for first in range(0, len(params), MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id,
                                   params=params[first:first + MAX_PARAMS_PER_BATCH])
@@ -327,6 +330,7 @@ class Tracker:
         if not self.enabled or self._finished:
             return
         self._finished = True
+        error = redact(error)
         self.flush()
         if self.spool.metrics.exists():  # the store did not take them: no other call now
             self.spool.add_end(status, error)
@@ -412,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     command = commands.add_parser("sync", help="send a run folder's spooled metrics, pictures "
                                   "and final status (once its training has ended)")
     command.add_argument("run_dir", type=Path)
-    command.add_argument("--tracking-uri", help="default: the store the run tracked into")
+    command.add_argument("--tracking-uri", help="default: the store the run tracked into (give "
+                         "it when its URI held a password, which the spool masks)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -1,0 +1,232 @@
+"""Credentials never leave the process (defrag.urls.redact), and the recommended ways to give
+them (~/.netrc, an Authorization header from DEFRAG_HTTP_AUTHORIZATION) against a real server
+on 127.0.0.1 that demands basic authentication (tests/servers.py).
+
+The end-to-end test trains with `data.shards=http://user:SECRET@127.0.0.1:PORT` and evaluates
+the best model with the same URL: SECRET is in no file of the run folder (mlflow.db included)
+and in no output of either command.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from defrag.cli import one_line_errors
+from defrag.urls import AUTHORIZATION_ENV, MASK, ShardError, open_url, read_url, redact
+from tests.servers import basic_authorization, serve_folder
+from tests.test_train_e2e import ROOT, tiny_config
+from trainer.config import Config
+from trainer.tracking import ERROR_TAG, Tracker
+
+USER, PASSWORD = "reader", "pw-7f3a9c"
+
+# (text, what redact must make of it)
+SPELLINGS = [
+    ("http://user:s3cretPW@127.0.0.1:8799", f"http://user:{MASK}@127.0.0.1:8799"),
+    ("https://user:p%40ss@host/f8k/train/shard-{000000..000003}.tar",
+     f"https://user:{MASK}@host/f8k/train/shard-{{000000..000003}}.tar"),
+    ("https://u:p@ss@host/x", f"https://u:{MASK}@host/x"),  # an @ left unencoded
+    ("HTTPS://U:PW@HOST/X", f"HTTPS://U:{MASK}@HOST/X"),
+    ("http://ghp_token123@github.com/x", f"http://{MASK}@github.com/x"),  # a token as the user
+    ("ftp://anon:mail@ftp.example.org/pub", f"ftp://anon:{MASK}@ftp.example.org/pub"),
+    ("http://u:a@h1/x.tar::http://v:b@h2/y.tar", f"http://u:{MASK}@h1/x.tar::http://v:{MASK}@h2/y.tar"),
+    ("{http://u:a@h1/x.tar,http://v:b@h2/y.tar}", f"{{http://u:{MASK}@h1/x.tar,http://v:{MASK}@h2/y.tar}}"),
+    ("https://b.s3.amazonaws.com/train/shard-000000.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+     "&X-Amz-Credential=AKIA%2F20240101%2Fus-east-1&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600"
+     "&X-Amz-SignedHeaders=host&X-Amz-Security-Token=FQoGZXIvYXdz&X-Amz-Signature=0a1b2c",
+     "https://b.s3.amazonaws.com/train/shard-000000.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+     f"&X-Amz-Credential={MASK}&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600"
+     f"&X-Amz-SignedHeaders=host&X-Amz-Security-Token={MASK}&X-Amz-Signature={MASK}"),
+    ("https://storage.googleapis.com/b/o?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Credential=sa%40p"
+     "&X-Goog-Signature=9f8e", "https://storage.googleapis.com/b/o?X-Goog-Algorithm=GOOG4-RSA-SHA256"
+     f"&X-Goog-Credential={MASK}&X-Goog-Signature={MASK}"),
+    ("https://storage.googleapis.com/b/o?GoogleAccessId=sa@p.iam&Expires=17&Signature=ab%3D",
+     f"https://storage.googleapis.com/b/o?GoogleAccessId=sa@p.iam&Expires=17&Signature={MASK}"),
+    ("https://acc.blob.core.windows.net/c/t.tar?sv=2022-11-02&se=2024&sp=r&sig=AbC%2Bd%3D",
+     f"https://acc.blob.core.windows.net/c/t.tar?sv=2022-11-02&se=2024&sp=r&sig={MASK}"),
+    ("https://d1.cloudfront.net/t.tar?Expires=1&Signature=a~b_&Key-Pair-Id=K2",
+     f"https://d1.cloudfront.net/t.tar?Expires=1&Signature={MASK}&Key-Pair-Id=K2"),
+    ("https://h/x?token=abc&key=K1&api_key=K2&APIKEY=K3&access_token=T#frag",
+     f"https://h/x?token={MASK}&key={MASK}&api_key={MASK}&APIKEY={MASK}&access_token={MASK}#frag"),
+    ("pipe:AWS_SECRET_ACCESS_KEY=abc AWS_SESSION_TOKEN=def aws s3 cp s3://b/k -",
+     f"pipe:AWS_SECRET_ACCESS_KEY={MASK} AWS_SESSION_TOKEN={MASK} aws s3 cp s3://b/k -"),
+    ("pipe:curl -s -u user:pw http://h/x", f"pipe:curl -s -u user:{MASK} http://h/x"),
+    ("pipe:curl -s --user 'user:pw' http://h/x", f"pipe:curl -s --user 'user:{MASK}' http://h/x"),
+    ("pipe:curl -H 'Authorization: Bearer TOK' http://h/x",
+     f"pipe:curl -H 'Authorization: Bearer {MASK}' http://h/x"),
+    ("pipe:wget --password=PW -O - http://h/x", f"pipe:wget --password={MASK} -O - http://h/x"),
+    ("pipe:tool --token TOK http://h/x", f"pipe:tool --token {MASK} http://h/x"),
+    ("cannot read http://user:SECRET@127.0.0.1:5/manifest.json after 4 attempts (curl exit 22)",
+     f"cannot read http://user:{MASK}@127.0.0.1:5/manifest.json after 4 attempts (curl exit 22)"),
+    # left alone: names that only end like a secret's, user@host outside a URL, other settings
+    ("keyword=1 monkey=2 data.shards=http://h/x sig=3",
+     f"keyword=1 monkey=2 data.shards=http://h/x sig={MASK}"),
+    ("mailto:a@b.c user@host s3://bucket/f8k/train/shard-000000.tar",
+     "mailto:a@b.c user@host s3://bucket/f8k/train/shard-000000.tar"),
+]
+
+SECRET_PARAMS = ["X-Amz-Signature", "x-amz-credential", "X-Amz-Security-Token", "X-Goog-Signature",
+                 "Signature", "sig", "token", "access_token", "refresh_token", "key", "api_key",
+                 "apikey", "client_secret", "password"]
+
+
+@pytest.mark.parametrize(("text", "masked"), SPELLINGS)
+def test_redact_masks_each_spelling_and_keeps_the_rest(text: str, masked: str) -> None:
+    assert redact(text) == masked
+    assert redact(masked) == masked  # masked values compare equal to themselves
+
+
+def test_every_secret_parameter_is_masked_wherever_the_url_stands() -> None:
+    """Each secret query parameter, first, between others or last, of a URL standing alone, in
+    a `::` list, a brace list, a `pipe:` command and an error line: its value is gone, every
+    other character stays."""
+    secret = "Zq9Secret%2Bvalue"
+    for name, place in itertools.product(SECRET_PARAMS, range(3)):
+        params = [("X-Amz-Date", "20240101"), ("sp", "r")]
+        params.insert(place, (name, secret))
+        url = "https://h.example.org/f8k/train/shard-000001.tar?" + "&".join(
+            f"{k}={v}" for k, v in params)
+        want = url.replace(secret, MASK)
+        for form in ("{}", "{}::http://h/x.tar", "{{{},http://h/x.tar}}", "pipe:curl -s '{}'",
+                     "cannot read shard {} after 4 attempts (curl exit 22, HTTP 404)"):
+            assert redact(form.format(url)) == form.format(want), (name, place, form)
+
+
+def test_redact_masks_the_strings_of_a_config() -> None:
+    url = f"http://{USER}:{PASSWORD}@127.0.0.1:8799"
+    cfg = Config.from_dict({"data": {"shards": url, "val_shards": f"{url}/val/x.tar"}})
+    masked = redact(cfg.to_dict())
+    assert PASSWORD not in json.dumps(masked)
+    assert masked["data"]["shards"] == f"http://{USER}:{MASK}@127.0.0.1:8799"
+    assert masked["optim"] == cfg.to_dict()["optim"]
+    assert redact(masked) == masked
+
+
+def test_one_line_errors_mask_credentials(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stop, one_line_errors("prog"):
+        raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar is not in the manifest")
+    assert PASSWORD not in str(stop.value.code)
+    assert f"http://{USER}:{MASK}@h/x.tar" in str(stop.value.code)
+
+
+def test_the_error_tag_of_a_failed_run_is_masked(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.start(Config(), tmp_path, rank=0)
+    with pytest.raises(ValueError), tracker:
+        raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar?sig=abc is not in the manifest")
+    run = MlflowClient(tracker.tracking_uri).get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags[ERROR_TAG] == (f"ValueError: shard http://{USER}:{MASK}@h/x.tar?sig={MASK}"
+                                        " is not in the manifest")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading from a server that demands basic authentication
+
+
+@pytest.fixture
+def locked(shards: Path):
+    """The synthetic shards over HTTP, behind basic authentication as USER:PASSWORD."""
+    with serve_folder(shards, basic_auth=f"{USER}:{PASSWORD}") as server:
+        yield server
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty home folder (no ~/.netrc) and no Authorization header in the environment."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(AUTHORIZATION_ENV, raising=False)
+    return tmp_path
+
+
+def test_without_credentials_the_read_fails_in_one_line_saying_401_and_what_to_do(
+        locked, home: Path, shards: Path) -> None:
+    for url in (f"{locked.url}/manifest.json",
+                locked.url.replace("//", f"//{USER}:wrong-{PASSWORD}@") + "/manifest.json"):
+        with pytest.raises(ShardError) as failure:
+            read_url(url, timeout=10, retries=3)
+        message = str(failure.value)
+        assert message == (f"cannot read {redact(url)} (curl exit 22, HTTP 401 Unauthorized: the "
+                           f"server wants credentials: put them in ~/.netrc or set "
+                           f"{AUTHORIZATION_ENV} (README.md, \"Shards on a web server or object "
+                           f"storage\"))")
+        assert PASSWORD not in message
+    assert locked.count("/manifest.json") == 0  # refused before the file was looked at
+
+
+def test_netrc_credentials_read(locked, home: Path, shards: Path) -> None:
+    netrc = home / ".netrc"
+    netrc.write_text(f"machine 127.0.0.1 login {USER} password {PASSWORD}\n")
+    netrc.chmod(0o600)
+    assert read_url(f"{locked.url}/manifest.json") == (shards / "manifest.json").read_bytes()
+    with open_url(f"{locked.url}/train/shard-000000.tar", timeout=10) as stream:
+        assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
+
+
+def test_authorization_header_from_the_environment_reads_off_the_command_line(
+        locked, home: Path, shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(AUTHORIZATION_ENV, basic_authorization(USER, PASSWORD))
+    header = basic_authorization(USER, PASSWORD).split()[1]
+    with open_url(f"{locked.url}/train/shard-000000.tar", timeout=10) as stream:
+        command = Path(f"/proc/{stream.proc.pid}/cmdline").read_bytes()
+        assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
+    assert b"curl" in command and header.encode() not in command
+
+
+def test_a_password_in_the_url_reads_and_stays_off_curls_command_line(
+        locked, home: Path, shards: Path) -> None:
+    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@") + "/train/shard-000000.tar"
+    with open_url(url, timeout=10) as stream:
+        command = Path(f"/proc/{stream.proc.pid}/cmdline").read_bytes()
+        assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
+    assert b"curl" in command and PASSWORD.encode() not in command
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_training_and_its_evaluation_keep_the_password_out_of_everything(
+        shards: Path, tmp_path: Path) -> None:
+    secret = f"SECRET{uuid.uuid4().hex}"
+    with serve_folder(shards, basic_auth=f"{USER}:{secret}") as server:
+        url = server.url.replace("//", f"//{USER}:{secret}@")
+        config = tiny_config(tmp_path, shards)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        env.pop(AUTHORIZATION_ENV, None)
+        training = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+             "-m", "trainer.main", "--config", str(config), f"data.shards={url}",
+             "optim.epochs=1", "optim.anneal_last_epochs=0"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+        assert training.returncode == 0, training.stderr[-4000:]
+        run_dir = tmp_path / "run"
+        evaluation = subprocess.run(
+            [sys.executable, "-m", "trainer.evaluate", "--model", str(run_dir / "best"),
+             "--shards", url, "--split", "val", "--workers", "1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert evaluation.returncode == 0, evaluation.stderr[-4000:]
+    summary = json.loads(training.stdout.strip().splitlines()[-1])
+    params = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.params
+    assert params["data.shards"] == f"{server.url.replace('//', f'//{USER}:{MASK}@')}"
+    assert json.loads(evaluation.stdout.strip().splitlines()[-1])["shards"] == redact(url)
+    for name, text in [("training stdout", training.stdout), ("training stderr", training.stderr),
+                       ("evaluation stdout", evaluation.stdout),
+                       ("evaluation stderr", evaluation.stderr)]:
+        assert secret not in text, name
+    files = [path for path in run_dir.rglob("*") if path.is_file()]
+    assert any(path.name == "mlflow.db" for path in files)
+    assert [path for path in files if secret.encode() in path.read_bytes()] == []
