@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import io
+import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -85,7 +86,7 @@ def test_a_caption_finds_its_image_first(world: SearchWorld, url: str) -> None:
     assert requests.get(f"{url}/api/info").json() == {
         "model": str(world.model_dir.resolve()), "model_key": model_key(world.model_dir),
         "images": 8, "sentences": 40, "max_query_chars": 1000, "max_upload_bytes": UPLOAD_LIMIT,
-        "max_k": serve.MAX_K}
+        "max_k": serve.MAX_K, "max_image_pixels": 40_000_000}
 
 
 def test_an_indexed_or_uploaded_image_finds_sentences(world: SearchWorld, index: SearchIndex,
@@ -204,6 +205,20 @@ def test_a_bad_upload_gets_one_clear_line(world: SearchWorld, url: str, body: by
     assert requests.get(f"{url}/api/info").status_code == 200
 
 
+def test_an_image_over_the_pixel_bound_answers_413(url: str) -> None:
+    """A 7000 x 7000 PNG (49 Mpx, 6 KB) is refused from its header, before decoding."""
+    huge = io.BytesIO()
+    Image.new("1", (7000, 7000)).save(huge, "PNG")
+    assert len(huge.getvalue()) < UPLOAD_LIMIT
+    code, answer = raw(url, "POST", "/api/sentences", huge.getvalue(),
+                       {"Content-Type": "image/png"})
+    assert code == 413 and json.loads(answer) == {"error": (
+        "unusable image: the uploaded file is 7000 x 7000 pixels (49.0 megapixels), over the "
+        "limit of 40000000 (40 megapixels): scale it down, or raise the limit "
+        "(max_image_pixels)")}
+    assert requests.get(f"{url}/api/info").status_code == 200
+
+
 def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:
     """A Content-Length over the limit is refused before the body; a chunked body (no length)
     as soon as it passes the limit, though it never ends."""
@@ -309,3 +324,11 @@ def test_the_command_serves_on_localhost_by_default(world: SearchWorld,
     assert (started["host"], started["port"]) == ("127.0.0.1", 8000)
     with serving(started["app"]) as base:
         assert requests.get(f"{base}/api/info").json()["max_upload_bytes"] == 10 * 2**20
+    serve.main(["--index", str(world.index), "--max-image-pixels", "4000"])
+    with serving(started["app"]) as base:  # a 64 x 64 photo is over 4000 pixels
+        assert requests.get(f"{base}/api/info").json()["max_image_pixels"] == 4000
+        answer = requests.post(f"{base}/api/sentences", headers={"Content-Type": "image/png"},
+                               data=(world.photos / world.expected).read_bytes())
+        assert answer.status_code == 413 and "over the limit of 4000" in answer.json()["error"]
+    with pytest.raises(SystemExit):
+        serve.main(["--index", str(world.index), "--max-image-pixels", "0"])

@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.images import MAX_IMAGE_PIXELS
+from defrag.images import MAX_IMAGE_PIXELS
 from defrag.urls import redact
 from trainer.batch import owners
 from trainer.embedder import (
@@ -291,9 +292,11 @@ class SearchIndex:
         self._parse = threading.Lock()  # the parser is not known to be thread-safe
 
     @classmethod
-    def open(cls, folder: Path, model: Path | None = None) -> SearchIndex:
+    def open(cls, folder: Path, model: Path | None = None,
+             max_image_pixels: int = MAX_IMAGE_PIXELS) -> SearchIndex:
         """The index in `folder`, with `model` (default: the model folder that built it, as
-        recorded); IndexMismatch when the model is not that one."""
+        recorded); IndexMismatch when the model is not that one. Query images over
+        `max_image_pixels` are refused before decoding."""
         folder = Path(folder)
         try:
             meta = json.loads((folder / "index.json").read_text())
@@ -310,7 +313,8 @@ class SearchIndex:
                                 f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
                                 f"({embedder.model_key[:16]}): rebuild the index with this "
                                 "model, or open it with its own")
-        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"]), model)
+        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"],
+                                                     max_image_pixels=max_image_pixels), model)
 
     def warm_up(self) -> None:
         """Load the parser now (seconds), not at the first query."""

@@ -2,7 +2,7 @@
 collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
 
     python -m trainer.serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
-                            [--max-upload-mb 10]
+                            [--max-upload-mb 10] [--max-image-pixels 40000000]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
 /openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/static: nothing is
@@ -34,7 +34,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
-from trainer.embedder import RetrievalError
+from defrag.images import add_pixel_limit_flag
+from trainer.embedder import ImageTooLargeError, RetrievalError
 from trainer.index import MAX_QUERY_CHARS, Hit, SearchIndex
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,14 @@ class ErrorBody(BaseModel):
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error answers an endpoint gives."""
     meaning = {400: "a bad input (the message says which)", 404: "not an indexed image",
-               413: "the upload is over the size limit", 415: "the upload is not image/*",
+               413: "the upload is over the size or pixel limit", 415: "the upload is not image/*",
                422: "a parameter is missing or out of range"}
     return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
 
 
 def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
-    """The app over an opened index; uploads over `max_upload_bytes` are refused (413)."""
+    """The app over an opened index; uploads over `max_upload_bytes`, or over the index
+    embedder's pixel bound (from the image header, before decoding), are refused (413)."""
     app = FastAPI(
         title="DeFrag search", version="1", docs_url=None, redoc_url=None,
         description="Search a photo collection with sentences, and sentences with photos, using "
@@ -69,6 +71,10 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
     @app.exception_handler(RetrievalError)
     async def bad_input(request: Request, err: RetrievalError) -> JSONResponse:
         return JSONResponse({"error": describe(err)}, status_code=400)
+
+    @app.exception_handler(ImageTooLargeError)
+    async def too_many_pixels(request: Request, err: ImageTooLargeError) -> JSONResponse:
+        return JSONResponse({"error": describe(err)}, status_code=413)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -126,7 +132,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
         return {"model": str(index.model_dir), "model_key": index.embedder.model_key,
                 "images": len(index.image_names), "sentences": len(index.sentences),
                 "max_query_chars": MAX_QUERY_CHARS, "max_upload_bytes": max_upload_bytes,
-                "max_k": MAX_K}
+                "max_k": MAX_K, "max_image_pixels": index.embedder.max_image_pixels}
 
     @app.get("/api/search", summary="Sentence -> best images", responses=_errors(400, 422),
              description="The k indexed images that best match the sentence `q`, best first, "
@@ -154,7 +160,8 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
               responses=_errors(400, 413, 415, 422),
               description="The k sentences of the index that best describe a new image: POST "
                           "the JPEG or PNG file's bytes as the body with Content-Type image/*, "
-                          f"at most {max_upload_bytes / MIB:g} MiB (--max-upload-mb).",
+                          f"at most {max_upload_bytes / MIB:g} MiB (--max-upload-mb) and "
+                          f"{index.embedder.max_image_pixels} pixels (--max-image-pixels).",
               openapi_extra={"requestBody": {"required": True, "content": {
                   "image/*": {"schema": {"type": "string", "format": "binary"}}}}})
     def sentences_for_upload(
@@ -166,7 +173,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
             try:
                 hits = index.sentences_for_file(path, k)
             except RetrievalError as err:  # the message names the temporary file
-                raise RetrievalError(str(err).replace(str(path), "the uploaded file")) from err
+                raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
         return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
 
     @app.get("/api/explain", summary="Why an image matches a sentence (Figure 4)",
@@ -223,13 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-upload-mb", type=float, default=10.0,
                         help="largest image upload, in MiB (default 10)")
+    add_pixel_limit_flag(parser)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.max_upload_mb <= 0:
         parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     with one_line_errors(parser.prog, args.debug):
-        index = SearchIndex.open(args.index, args.model)
+        index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
         index.warm_up()
     app = create_app(index, int(args.max_upload_mb * MIB))
     log.info("serving %d images and %d sentences of %s", len(index.image_names),
