@@ -9,15 +9,18 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import mlflow.pyfunc
 import pandas as pd
+import psutil
 import pytest
 import requests
 import torch
@@ -30,7 +33,13 @@ from featurizer.synthetic import generate
 from trainer.caption_data import Caption
 from trainer.captioner import CaptionerParts, save_captioner
 from trainer.config import Config, DataConfig, ModelConfig
-from trainer.embedder import Embedder, embed_images, embed_sentences, load_embedder
+from trainer.embedder import (
+    Embedder,
+    RetrievalError,
+    embed_images,
+    embed_sentences,
+    load_embedder,
+)
 from trainer.files import CHECKSUMS
 from trainer.fragment_set import FragmentSet
 from trainer.model import DeFragModel
@@ -254,9 +263,10 @@ def index(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_params_search_an_index(store: Store, index: Path, tracking: None) -> None:
     from trainer.index import SearchIndex
 
-    model = mlflow.pyfunc.load_model("models:/defrag@champion")
+    model = mlflow.pyfunc.load_model("models:/defrag@champion",
+                                     model_config={"indexes": {"photos": str(index)}})
     opened = SearchIndex.open(index, model=store.model_dir)
-    params = {"index": str(index), "k": 2}
+    params = {"index": "photos", "k": 2}
     found = model.predict(pd.DataFrame({"sentence": store.captions[:2]}), params=params)
     for text, hits in zip(store.captions[:2], found["hits"], strict=True):
         assert [(h["item"], h["position"]) for h in hits] == [
@@ -271,12 +281,62 @@ def test_params_search_an_index(store: Store, index: Path, tracking: None) -> No
 
 
 def test_an_index_of_another_model_is_refused(store: Store, index: Path, tracking: None,
-                                              tmp_path: Path) -> None:
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Refused in the line any unavailable index gets; the server's log says why."""
     register_model(store.client, store.run_id, store.other_dir, "defrag-other",
                    artifact_path="other")
-    model = mlflow.pyfunc.load_model("models:/defrag-other@champion")
-    with pytest.raises(MlflowException, match=f"index {index} was built with the model whose"):
-        model.predict(pd.DataFrame({"sentence": ["a red circle"]}), params={"index": str(index)})
+    model = mlflow.pyfunc.load_model("models:/defrag-other@champion",
+                                     model_config={"index_root": str(index.parent)})
+    with pytest.raises(MlflowException) as refused:
+        model.predict(pd.DataFrame({"sentence": ["a red circle"]}), params={"index": "index"})
+    assert str(refused.value) == UNAVAILABLE.format(repr("index"), UNDER_ROOT)
+    assert f"index {index} was built with the model whose" in caplog.text
+
+
+UNAVAILABLE = "params index {} is not available: this server searches {}"
+UNDER_ROOT = "an index folder under its index root (give its path relative to the root)"
+
+
+def test_only_the_operators_indexes_are_opened_once_each(store: Store, index: Path,
+                                                         tmp_path: Path) -> None:
+    """A name of the configured set or a folder under the root, resolved: 40 spellings of one
+    index open it once; `..`, an absolute path out, a link out of the root, a file, a folder
+    that is no index and a missing one get one answer; the last 2 used stay open."""
+    from trainer.served_indexes import ServedIndexes
+
+    root = tmp_path / "root"
+    shutil.copytree(index, root / "a")
+    shutil.copytree(index, root / "b" / "c")
+    shutil.copytree(index, root / "d")
+    outside = Path(shutil.copytree(index, tmp_path / "outside"))
+    (root / "out").symlink_to(outside)
+    (root / "notes.txt").write_text("not an index\n")
+    (root / "empty").mkdir()
+    served = ServedIndexes.configure({"indexes": {"photos": str(root / "a")}},
+                                     {"DEFRAG_INDEX_ROOT": str(root)}, store.model_dir)
+    spellings = ["photos", "a", "a/", "./a", "a//", str(root / "a"), f"{root}//a",
+                 *(f"{'./' * n}a" for n in range(1, 20)), *(f"b/../a{'/' * n}" for n in range(14))]
+    assert len(spellings) == 40
+    opened = {id(served.open(asked)) for asked in spellings}
+    assert len(opened) == 1 and len(served.cache) == 1
+    offer = "the index 'photos' and " + UNDER_ROOT
+    hostile = ["/etc/shadow", "/etc/passwd", "../outside", "a/../../outside", str(outside),
+               "out", "out/", "notes.txt", "empty", "missing", "/nowhere/at/all", "..",
+               "a\0", "b"]
+    for asked in hostile:
+        with pytest.raises(RetrievalError) as refused:
+            served.open(asked)
+        assert str(refused.value) == UNAVAILABLE.format(repr(asked), offer)
+    first = served.open("a")
+    assert list(served.cache) == [(root / "a").resolve()]
+    served.open("b/c")
+    served.open("d")  # the least recently used, a, is closed
+    assert served.open("photos") is not first
+    assert list(served.cache) == [(root / "d").resolve(), (root / "a").resolve()]
+    nothing = ServedIndexes.configure({}, {}, store.model_dir)
+    with pytest.raises(RetrievalError, match="this server searches no index: its operator "
+                                             "names them"):
+        nothing.open(str(index))
 
 
 def free_port() -> int:
@@ -288,10 +348,16 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_rest_requests(store: Store, embedder: Embedder,
                                                    index: Path, tmp_path: Path) -> None:
-    """The real `mlflow models serve` of the champion: vectors, and a search by params."""
+    """The real `mlflow models serve` of the champion: vectors, and a search by params of an
+    index under its DEFRAG_INDEX_ROOT (40 spellings open it once: its files are mapped once);
+    paths out of the root, missing or no index get one answer naming nothing on disk."""
+    root = index.parent
+    outside = Path(shutil.copytree(index, tmp_path / "outside"))
+    (root / "escape").symlink_to(outside)
     port, log, bin_dir = free_port(), tmp_path / "serve.log", Path(sys.executable).parent
     env = {**os.environ, "MLFLOW_TRACKING_URI": store.uri,  # it starts `uvicorn` from PATH
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "DEFRAG_INDEX_ROOT": str(root)}
     with log.open("w") as out:
         server = subprocess.Popen(
             [str(bin_dir / "mlflow"), "models", "serve", "-m", "models:/defrag@champion",
@@ -310,17 +376,51 @@ def test_mlflow_models_serve_answers_rest_requests(store: Store, embedder: Embed
         row, = answer.json()["predictions"]
         expected = embed_sentences([store.captions[0]], embedder)
         assert_close(row["fragments"], expected.embeddings)
-        answer = requests.post(f"{url}/invocations", timeout=60, json={
-            "dataframe_records": [{"sentence": store.captions[0]}],
-            "params": {"index": str(index), "k": 1}})
+
+        def search(asked: str) -> requests.Response:
+            return requests.post(f"{url}/invocations", timeout=60, json={
+                "dataframe_records": [{"sentence": store.captions[0]}],
+                "params": {"index": asked, "k": 1}})
+
+        answer = search("index")
         assert answer.status_code == 200, answer.text
-        assert len(answer.json()["predictions"][0]["hits"]) == 1
+        hits = answer.json()["predictions"][0]["hits"]
+        assert len(hits) == 1
+        mapped = mapped_files(server.pid, index.resolve() / "images.safetensors")
+        assert mapped > 0
+        spellings = [str(index), f"{root}//index", f"{root}/./index", "./index", "index/",
+                     *(f"images/../{'./' * n}index{'/' * (n % 3)}" for n in range(35))]
+        for asked in spellings:
+            answer = search(asked)
+            assert answer.status_code == 200 and answer.json()["predictions"][0]["hits"] == hits
+        assert mapped_files(server.pid, index.resolve() / "images.safetensors") == mapped
+        hostile = ["/etc/shadow", "/etc/shadow/index", str(root / "missing"), "images",
+                   "sentences.txt", os.path.relpath(outside, root), str(outside), "escape",
+                   "../../../../../../etc", "index/../../"]
+        answers = {asked: search(asked) for asked in hostile}
+        assert {a.status_code for a in answers.values()} == {400}
+        said = {json.loads(a.text)["message"].replace(repr(asked), "X")
+                for asked, a in answers.items()}
+        assert len(said) == 1 and said.pop().endswith(UNAVAILABLE.format("X", UNDER_ROOT)), said
+        assert not [a.text for a in answers.values() if "stack_trace" in a.text]
+        assert "refused params index '/etc/shadow'" in log.read_text()  # the operator's reason
         answer = requests.post(f"{url}/invocations", timeout=60, json={
             "dataframe_records": [{"image": "not base64!"}]})
         assert answer.status_code == 400 and "the image is not base64" in answer.text
+        answer = requests.post(f"{url}/invocations", timeout=60, json={
+            "dataframe_records": [{"image": base64.b64encode(b"plain text").decode()}]})
+        assert answer.status_code == 400 and "row-0" in answer.text
+        assert tempfile.gettempdir() not in answer.text, answer.text
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+
+
+def mapped_files(group: int, path: Path) -> int:
+    """How many memory maps of `path` the processes of a server's process group hold."""
+    leader = psutil.Process(group)
+    return sum(1 for process in [leader, *leader.children(recursive=True)]
+               for region in process.memory_maps(grouped=False) if region.path == str(path))
 
 
 def _answers(url: str) -> bool:

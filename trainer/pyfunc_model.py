@@ -8,15 +8,19 @@ a JPEG or PNG file, base64-encoded) and answers one row per input row:
 - without params: `fragments`, the row's fragment vectors [n][d] (a whole-sentence encoder's
   sentence: its one row); `mean`, their mean [d] (zeros without fragments); `boxes`, an image's
   fragment boxes [n][4] (x1, y1, x2, y2 in the image's pixels; null for a sentence);
-- with params {"index": "/path/to/index", "k": 10} (an index built by `python -m trainer.index`
-  with this model): `hits`, the k best images of the index for a sentence, or its k best
-  sentences for an image, each {"item", "score", "position"}, best first.
+- with params {"index": "photos", "k": 10} (an index built by `python -m trainer.index` with
+  this model, one its operator named: trainer/served_indexes.py): `hits`, the k best images of
+  the index for a sentence, or its k best sentences for an image, each {"item", "score",
+  "position"}, best first.
+
+No error names the server's temporary files (an image row is row-N) or says what exists on disk.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -31,7 +35,6 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 from featurizer.parsing import ParserUnavailable
 from trainer.embedder import Embedder, RetrievalError, embed_images, embed_sentences, load_embedder
 from trainer.fragment_set import FragmentSet
-from trainer.index import SearchIndex
 from trainer.registry import (
     DEFAULT_K,
     PYFUNC_ARTIFACT,
@@ -40,6 +43,7 @@ from trainer.registry import (
     is_ensemble,
     verify_model_folder,
 )
+from trainer.served_indexes import ServedIndexes
 
 
 class DeFragPyfunc(PythonModel):
@@ -48,9 +52,11 @@ class DeFragPyfunc(PythonModel):
 
     def load_context(self, context: PythonModelContext) -> None:
         """Load and verify the artifact model folder; an ensemble or a captioner folder is only
-        verified (`predict` says what to use instead)."""
+        verified (`predict` says what to use instead). The indexes it may search come from the
+        model_config and the environment (trainer/served_indexes.py)."""
         self.folder = Path(context.artifacts[PYFUNC_ARTIFACT])
-        self.indexes: dict[str, Any] = {}  # opened SearchIndex by path
+        self.indexes = ServedIndexes.configure(context.model_config or {}, os.environ,
+                                               self.folder)
         self.lock = threading.Lock()
         self.embedder: Embedder | None = None
         if is_ensemble(self.folder):
@@ -82,8 +88,9 @@ class DeFragPyfunc(PythonModel):
                 if params.get("index"):
                     return self._search(rows, images, str(params["index"]), k)
                 return self._embed(rows, images)
-            except RetrievalError as err:
-                raise MlflowException.invalid_parameter_value(str(err)) from err
+            except RetrievalError as err:  # an image row's file is called row-N, not its path
+                raise MlflowException.invalid_parameter_value(
+                    str(err).replace(f"{tmp}{os.sep}", "")) from err
             except ParserUnavailable as err:  # the server's set-up: its message says what to do
                 raise MlflowException(str(err)) from err
 
@@ -103,9 +110,7 @@ class DeFragPyfunc(PythonModel):
     def _search(self, rows: list[tuple[str, Any]], images: dict[int, Path], index: str,
                 k: int) -> pd.DataFrame:
         """Each row's k best hits in the index: images for a sentence, sentences for an image."""
-        if index not in self.indexes:  # refused (IndexMismatch) when another model built it
-            self.indexes[index] = SearchIndex.open(Path(index), model=self.folder)
-        opened = self.indexes[index]
+        opened = self.indexes.open(index)
         hits = [opened.images_for(value, k) if kind == "sentence"
                 else opened.sentences_for_file(images[number], k)
                 for number, (kind, value) in enumerate(rows)]

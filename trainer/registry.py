@@ -80,6 +80,8 @@ PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifact
 PACKAGE = "defrag-trainer"  # this code's distribution: the pyfunc's pip requirement
 PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")  # the pyfunc's code (models from code)
 DEFAULT_K = 10  # results of a pyfunc search without params k
+PYFUNC_CONFIG = {"index_root": "", "indexes": {}, "cached_indexes": 2}  # the model_config keys
+# its operator may set at load or serve time (MLflow takes no others): trainer/served_indexes.py
 SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
     inputs=Schema([ColSpec("string", "sentence", required=False),
                    ColSpec("string", "image", required=False)]),
@@ -457,7 +459,7 @@ def log_pyfunc_model(client: MlflowClient, run_id: str, folder: str | Path,
         staging = Path(tmp) / "pyfunc"
         mlflow.pyfunc.save_model(
             path=staging, python_model=str(PYFUNC_CODE), artifacts={PYFUNC_ARTIFACT: str(folder)},
-            signature=SIGNATURE, input_example=INPUT_EXAMPLE,
+            signature=SIGNATURE, input_example=INPUT_EXAMPLE, model_config=PYFUNC_CONFIG,
             pip_requirements=_pip_requirements())
         client.log_artifacts(run_id, str(staging), artifact_path)
 
