@@ -9,11 +9,13 @@ and in no output of either command.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from trainer.config import Config
 from trainer.tracking import ERROR_TAG, Tracker
 
 USER, PASSWORD = "reader", "pw-7f3a9c"
+STALLED = "train/shard-000001.tar"  # the server sends half of it and holds the connection
 
 # (text, what redact must make of it)
 SPELLINGS = [
@@ -137,8 +140,24 @@ def test_the_error_tag_of_a_failed_run_is_masked(tmp_path: Path,
 @pytest.fixture
 def locked(shards: Path):
     """The synthetic shards over HTTP, behind basic authentication as USER:PASSWORD."""
-    with serve_folder(shards, basic_auth=f"{USER}:{PASSWORD}") as server:
+    with serve_folder(shards, basic_auth=f"{USER}:{PASSWORD}", stall={STALLED}) as server:
         yield server
+
+
+def curl_command_line(url: str, server) -> bytes:
+    """The command line of the curl process reading `url`, a STALLED file: curl is still
+    running once the server has logged the request, which it does past its authentication."""
+    stream = open_url(url, timeout=30)
+    try:
+        for _ in range(400):
+            if server.count(STALLED):
+                return Path(f"/proc/{stream.proc.pid}/cmdline").read_bytes()
+            time.sleep(0.05)
+        raise AssertionError(f"the server never answered {redact(url)}")
+    finally:
+        stream.proc.kill()
+        with contextlib.suppress(OSError):
+            stream.close()
 
 
 @pytest.fixture
@@ -176,20 +195,20 @@ def test_netrc_credentials_read(locked, home: Path, shards: Path) -> None:
 def test_authorization_header_from_the_environment_reads_off_the_command_line(
         locked, home: Path, shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(AUTHORIZATION_ENV, basic_authorization(USER, PASSWORD))
-    header = basic_authorization(USER, PASSWORD).split()[1]
     with open_url(f"{locked.url}/train/shard-000000.tar", timeout=10) as stream:
-        command = Path(f"/proc/{stream.proc.pid}/cmdline").read_bytes()
         assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
-    assert b"curl" in command and header.encode() not in command
+    command = curl_command_line(f"{locked.url}/{STALLED}", locked)
+    header = basic_authorization(USER, PASSWORD).split()[1]
+    assert b"curl" in command and header.encode() not in command, command
 
 
 def test_a_password_in_the_url_reads_and_stays_off_curls_command_line(
         locked, home: Path, shards: Path) -> None:
-    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@") + "/train/shard-000000.tar"
-    with open_url(url, timeout=10) as stream:
-        command = Path(f"/proc/{stream.proc.pid}/cmdline").read_bytes()
+    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@")
+    with open_url(f"{url}/train/shard-000000.tar", timeout=10) as stream:
         assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
-    assert b"curl" in command and PASSWORD.encode() not in command
+    command = curl_command_line(f"{url}/{STALLED}", locked)
+    assert b"curl" in command and PASSWORD.encode() not in command, command
 
 
 # ---------------------------------------------------------------------------------------------
