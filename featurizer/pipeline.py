@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB
+from defrag.urls import redact
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
 from featurizer.parsing import Parser, make_parser
@@ -250,12 +251,13 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
         }
     return {
         "format": FORMAT_VERSION,
-        "created_by": {"command": settings.command, "settings": _jsonable(vars(settings))},
+        "created_by": redact({"command": settings.command,  # credentials in URLs masked
+                              "settings": _jsonable(vars(settings))}),
         "parser": parser.describe(),
         "box_source": box_source.describe(),
         "vocabulary": {
             "file": VOCAB, "words": len(vocab.words), "relations": vocab.relations,
-            "source": (f"reused from {settings.vocab}" if reused
+            "source": (f"reused from {redact(settings.vocab)}" if reused
                        else f"built from split {settings.train_split!r}"),
             "word_vectors": str(settings.word_vectors) if settings.word_vectors else None,
             "min_word_count": settings.min_word_count,

@@ -24,6 +24,9 @@ from mlflow import MlflowClient
 
 from defrag.cli import one_line_errors
 from defrag.urls import AUTHORIZATION_ENV, MASK, ShardError, open_url, read_url, redact
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
 from tests.servers import basic_authorization, serve_folder
 from tests.test_train_e2e import ROOT, tiny_config
 from trainer.config import Config
@@ -209,6 +212,20 @@ def test_a_password_in_the_url_reads_and_stays_off_curls_command_line(
         assert stream.read() == (shards / "train/shard-000000.tar").read_bytes()
     command = curl_command_line(f"{url}/{STALLED}", locked)
     assert b"curl" in command and PASSWORD.encode() not in command, command
+
+
+def test_a_vocabulary_reused_from_a_url_leaves_its_password_out_of_the_manifest(
+        locked, home: Path, tmp_path: Path) -> None:
+    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@")
+    jsonl = generate(tmp_path / "source", 4, 2, seed=0, image_size=64)
+    command = f"python -m featurizer jsonl {jsonl} --vocab {url} --out {tmp_path / 'out'}"
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=tmp_path / "out", parser="spacy", boxes="given", workers=1,
+                       vocab=url, command=command))
+    manifest = (tmp_path / "out" / "manifest.json").read_text()
+    assert redact(url) in manifest
+    assert [path for path in (tmp_path / "out").rglob("*")
+            if path.is_file() and PASSWORD.encode() in path.read_bytes()] == []
 
 
 # ---------------------------------------------------------------------------------------------
