@@ -38,7 +38,8 @@ class RedactingFilter(logging.Filter):
     """Masks credentials in the message of every log record a handler emits."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact(record.getMessage()), None
+        with contextlib.suppress(TypeError, ValueError):  # a bad format: the handler reports it
+            record.msg, record.args = redact(record.getMessage()), None
         return True
 
 

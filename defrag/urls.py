@@ -49,7 +49,7 @@ _REDACTIONS = [
     (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#'\"<>]*)@"),
      lambda m: f"{m[1]}{m[2].split(':')[0] + ':' if ':' in m[2] else ''}{MASK}@"),
     # NAME=value: a query parameter, an environment setting, a --flag=value
-    (re.compile(rf"(?i)(?<![\w.-])({SECRET_NAME})=(?:(?!::)[^\s&#'\"<>,;{{}}])+"),
+    (re.compile(rf"(?i)(?<![\w.-])({SECRET_NAME})=(?:(?!::|:\s|:$)[^\s&#'\"<>,;(){{}}\[\]])+"),
      lambda m: f"{m[1]}={MASK}"),
     # a --flag value of a secret, and curl's -u/--user user:password
     (re.compile(rf"(?i)(?<!\S)(--?(?:{SECRET_NAME}))(\s+)(['\"]?)[^\s'\"]+"),

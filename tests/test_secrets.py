@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -73,6 +74,8 @@ SPELLINGS = [
     ("pipe:tool --token TOK http://h/x", f"pipe:tool --token {MASK} http://h/x"),
     ("cannot read http://user:SECRET@127.0.0.1:5/manifest.json after 4 attempts (curl exit 22)",
      f"cannot read http://user:{MASK}@127.0.0.1:5/manifest.json after 4 attempts (curl exit 22)"),
+    ("shard https://h/x.tar?sig=abc: unreadable (at https://h/y?token=t) [key=k]",
+     f"shard https://h/x.tar?sig={MASK}: unreadable (at https://h/y?token={MASK}) [key={MASK}]"),
     # left alone: names that only end like a secret's, user@host outside a URL, other settings
     ("keyword=1 monkey=2 data.shards=http://h/x sig=3",
      f"keyword=1 monkey=2 data.shards=http://h/x sig={MASK}"),
@@ -117,11 +120,17 @@ def test_redact_masks_the_strings_of_a_config() -> None:
     assert redact(masked) == masked
 
 
-def test_one_line_errors_mask_credentials(capsys: pytest.CaptureFixture) -> None:
+def test_one_line_errors_and_the_log_lines_of_a_command_mask_credentials(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     with pytest.raises(SystemExit) as stop, one_line_errors("prog"):
+        logging.getLogger("trainer.reader").warning("shard %s: retried", f"http://{USER}:"
+                                                    f"{PASSWORD}@h/x.tar")
         raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar is not in the manifest")
-    assert PASSWORD not in str(stop.value.code)
-    assert f"http://{USER}:{MASK}@h/x.tar" in str(stop.value.code)
+    assert stop.value.code == (f"prog: error: shard http://{USER}:{MASK}@h/x.tar is not in the "
+                               "manifest (--debug shows the traceback)")
+    assert [record.getMessage() for record in caplog.records
+            if record.name == "trainer.reader"] == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
 
 
 def test_the_error_tag_of_a_failed_run_is_masked(tmp_path: Path,
