@@ -27,7 +27,7 @@ from trainer.preemption import REQUEST, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-FILES = ["model.safetensors", "optimizer.pt", "state.json", "checksums.json"]
+FILES = ["model.safetensors", "optimizer.pt", "state.json", "config.json", "checksums.json"]
 
 
 def make_config(run_dir: Path, shards: Path, **run: object) -> Config:
@@ -85,7 +85,7 @@ def run(trained: Path, shards: Path) -> Config:
 def test_checksums_cover_every_file(run: Config) -> None:
     folder = latest_checkpoint(run.run.run_dir)
     listed = json.loads((folder / "checksums.json").read_text())["files"]
-    assert sorted(listed) == sorted(FILES[:3]) == sorted(p.name for p in folder.iterdir()
+    assert sorted(listed) == sorted(FILES[:4]) == sorted(p.name for p in folder.iterdir()
                                                          if p.name != "checksums.json")
 
 
@@ -175,9 +175,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_latest(small_disk: Path, shar
     cfg = make_config(small_disk / "run", shards, checkpoint_every_steps=1)
     real_save = trainer.train.save_checkpoint
 
-    def save_then_fill(engine, state, run_dir, rank, keep) -> Path:
+    def save_then_fill(engine, state, run_dir, rank, keep, config) -> Path:
         """After the first checkpoint, fill the disk but for half a checkpoint's bytes."""
-        folder = real_save(engine, state, run_dir, rank, keep)
+        folder = real_save(engine, state, run_dir, rank, keep, config)
         if state.global_step == 1:
             size = sum(p.stat().st_size for p in folder.iterdir())
             with (small_disk / "filler").open("wb") as filler:

@@ -425,13 +425,16 @@ def test_failed_training_ends_its_run_failed_with_the_error(
     client, run_dir = MlflowClient(tracking_uri=mlflow_server.uri), tmp_path / "run"
     if failure == "lr 1e20":  # the first update overflows; run.nonfinite_loss=stop
         cfg = training_config(run_dir, shards, optim={"lr": 1e20})
-    else:  # one step, a checkpoint, preempted; then resumed with a wider model
-        run_dir.mkdir()
+    else:  # one step, a checkpoint, preempted; then resumed with a wider model from it as an
+        run_dir.mkdir()  # earlier version wrote it (no config.json to compare, no checksums)
         (run_dir / REQUEST).touch()
         with pytest.raises(Preempted):
             train(training_config(run_dir, shards), CPU, resume="latest")
         [preempted] = runs_of(client, run_dir)
         assert preempted.info.status == "KILLED"
+        checkpoint = latest_checkpoint(run_dir)
+        for name in ("config.json", "checksums.json"):
+            (checkpoint / name).unlink()
         cfg = training_config(run_dir, shards, model={"embed_dim": 32})
     with pytest.raises(Exception) as failed:
         train(cfg, CPU, resume="latest")

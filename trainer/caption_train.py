@@ -245,7 +245,7 @@ class CaptionTrainer:
     def checkpoint(self) -> None:
         self.state.mlflow_run_id = self.tracker.run_id
         save_checkpoint(self.engine, self.state, self.run_dir, self.ctx.rank,
-                        self.cfg.run.keep_checkpoints)
+                        self.cfg.run.keep_checkpoints, self.cfg)
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:

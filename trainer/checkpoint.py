@@ -4,12 +4,15 @@ the newest complete one; a write that fails (a full disk) raises CheckpointError
 checkpoint and leaves `latest` as it was.
 
     <run_dir>/checkpoints/step-00000120/   engine files (safetensors + optimizer, or DeepSpeed's),
-                                           state.json (epoch, step, best val rsum, MLflow run) and
+                                           state.json (epoch, step, best val rsum, MLflow run),
+                                           config.json (the run's config, credentials masked) and
                                            checksums.json (sha256 and size of every other file)
     <run_dir>/checkpoints/latest           the name of the newest complete checkpoint
 
 Resuming verifies every file (and refuses links out of the folder): `latest` falls back to the
-newest intact checkpoint, logging which it skipped and why; a named one must be intact.
+newest intact checkpoint, logging which it skipped and why; a named one must be intact. The new
+config is then compared with the checkpoint's (`resume_changes`): a change of what the
+checkpoint means (trainer/config.py RESUME_FIXED) is refused before anything else happens.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+from defrag.urls import redact
+from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
 from trainer.files import CHECKSUMS, verify_checksums, write_atomically, write_checksums
+from trainer.tracking import flatten
 
 TMP_PREFIX = "tmp-"
+CONFIG = "config.json"  # the config a checkpoint was trained with
 log = logging.getLogger(__name__)
 
 
@@ -54,7 +61,8 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: int) -> Path:
+def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: int,
+                    config: Config) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder."""
     root = checkpoints_dir(run_dir)
     name = f"step-{state.global_step:08d}"
@@ -70,6 +78,7 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
     if rank == 0:
         with _failure_named(tmp):
             (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+            config.to_json(tmp / CONFIG)
             write_checksums(tmp)  # last: a folder without them is never resumed
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -120,6 +129,36 @@ def load_state(folder: Path) -> TrainState:
     if "best_rsum" in state:  # written before the captioner shared the state
         state["best_score"] = state.pop("best_rsum")
     return TrainState(**state)
+
+
+def resume_changes(folder: Path, state: TrainState, config: Config) -> list[str]:
+    """Each key `config` changes from the config `folder` was trained with, as `key: old -> new`,
+    once none of them changes what the checkpoint means (RESUME_FIXED; mid-epoch also
+    RESUME_FIXED_MID_EPOCH); else ConfigError listing those. A key the checkpoint predates
+    counts as its default."""
+    path = folder / CONFIG
+    if not path.is_file():
+        log.warning("checkpoint %s has no %s (written by an earlier version): resuming without "
+                    "comparing its config with this one", folder, CONFIG)
+        return []
+    old = {**flatten(_as_saved(Config())), **flatten(json.loads(path.read_text()))}
+    new = flatten(_as_saved(config))
+    changed = {key: f"{key}: {old[key]} -> {new[key]}"
+               for key in sorted(new) if old[key] != new[key]}
+    fixed = RESUME_FIXED | (RESUME_FIXED_MID_EPOCH if state.step_in_epoch else frozenset())
+    refused = [line for key, line in changed.items() if key in fixed]
+    if refused:
+        raise ConfigError(f"cannot resume {folder} with this config: {', '.join(refused)}; the "
+                          "checkpoint was trained with the old values (trainer/config.py "
+                          "RESUME_FIXED says why): set them back, or start a new run (another "
+                          "run.run_dir, or --resume none)")
+    return list(changed.values())
+
+
+def _as_saved(config: Config) -> dict:
+    """A config as its checkpoint keeps it (Config.to_json): credentials masked, on both sides
+    of the comparison, so a rotated password is no change."""
+    return redact(config.to_dict())
 
 
 def clear_partial(run_dir: Path) -> None:

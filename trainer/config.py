@@ -278,6 +278,41 @@ class Config:
         return cls.from_dict(data)
 
 
+# The keys a resume may not change (trainer.checkpoint.resume_changes refuses it, listing each
+# `key: old -> new`): they change what the checkpoint's weights, optimizer state and step
+# counters mean. Every other key may change on resume (lr and its schedule, epochs, eval,
+# logging, checkpointing, paths of caches, registration); the change is logged and tagged.
+RESUME_FIXED = frozenset({
+    # the network: its shapes and what its parts compute (the weights fit only it); the word
+    # vectors' file sets W_e's width. Not model.pretrained / backbone_weights: they only
+    # initialise the CNN, whose weights the checkpoint replaces.
+    "model.embed_dim", "model.sentence_encoder", "model.fragment_mode",
+    "model.dtrnn_max_children", "model.word_dim", "model.word_vectors",
+    "model.train_word_vectors", "model.backbone", "model.region_mode", "model.image_size",
+    "model.crop_size", "model.roi_output_size", "model.freeze_batchnorm", "model.fullframe_only",
+    "model.mean_pool",
+    # the objective the weights were trained for, its negatives, and the score the best is kept by
+    "objective.beta", "objective.margin", "objective.smooth", "objective.mil",
+    "objective.balance", "objective.use_fragment", "objective.use_global",
+    "objective.hardest_negative", "objective.hardest_negative_from_epoch", "objective.score",
+    "run.global_negatives",
+    # the optimizer's saved state, and the step counters (a step is batch_size pairs)
+    "optim.optimizer", "optim.batch_size",
+    # the checkpoint's files are in the engine's format (DeepSpeed's partitions: its ZeRO config)
+    "run.engine", "run.deepspeed_config",
+    # the data: the pairs the epochs and steps count, the val split the best val figure is
+    # measured on, the vocabulary W_e's rows stand for, how images become fragments
+    "data.shards", "data.val_shards", "data.manifest", "data.vocab", "data.train_split",
+    "data.val_split", "data.resampled", "data.epoch_pairs", "data.max_boxes",
+    # the captioner's language model (trainer.caption_train) and the encoder it is conditioned on
+    "caption.encoder", "caption.word_dim", "caption.attribute_dim", "caption.factors",
+    "caption.context", "caption.forward_tags",
+})
+# ... and for a checkpoint taken mid-epoch, the keys that order the epoch's pairs: the resume
+# skips the steps done in that order (trainer/train_loader.py)
+RESUME_FIXED_MID_EPOCH = frozenset({"seed", "data.seed", "data.workers", "data.shuffle_buffer"})
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     """A YAML (or JSON) config file as nested dicts; ConfigError naming the file and line."""
     try:

@@ -25,6 +25,7 @@ from trainer.checkpoint import (
     clear_partial,
     latest_checkpoint,
     load_state,
+    resume_changes,
     verify_checkpoint,
 )
 from trainer.config import Config
@@ -84,9 +85,14 @@ def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
         clear_partial(run_dir)
     checkpoint = find_checkpoint(resume, run_dir)
     state = load_state(checkpoint) if checkpoint else TrainState()
+    # refused before the MLflow run is touched: a refused resume leaves it as it was
+    changes = ", ".join(resume_changes(checkpoint, state, cfg)) if checkpoint else ""
     tracker = Tracker.start(cfg, run_dir, ctx.rank, experiment=experiment,
                             resume_run_id=state.mlflow_run_id)
     with tracker:  # any exception ends the run FAILED, the error as its tag
+        if changes and ctx.is_main:
+            log.info("resuming %s with a changed config: %s", checkpoint, changes)
+            tracker.set_tag(f"resumed/{checkpoint.name}", changes)
         trainer = start(tracker, state)
         if checkpoint:
             trainer.resume(checkpoint)
@@ -99,8 +105,9 @@ def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
                    "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri}
         if ctx.is_main and state.best_epoch >= 0:
             name, alias = cfg.run.register_name, cfg.run.register_alias
-            try:
-                version = register_from_run(tracker, run_dir / "best", name, alias)
+            try:  # under a path of its own: a run resumed for more epochs registers each new best
+                version = register_from_run(tracker, run_dir / "best", name, alias,
+                                            artifact_path=f"model-epoch-{state.best_epoch:03d}")
             except RegistrationFailed as failed:  # the run still ends FINISHED
                 failed.summary = {**summary, "registered": None, "version": None,
                                   "registration_error": failed.error,

@@ -404,7 +404,8 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
         log_pyfunc_model(client, run_id, folder, artifact_path)
     elif not _logged_already(client, run_id, folder, artifact_path):
         raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
-                         "new version must not share (and overwrite) an older version's")
+                         "new version must not share (and overwrite) an older version's: "
+                         "register it under another --artifact-path")
     else:  # these files, logged before: their version of `name`, or a new one of them
         version = _registered_before(client, run_id, name, artifact_path)
         if version is not None:

@@ -215,7 +215,8 @@ class Tracker:
         tracker = cls(client, run_id, tracking_uri, Spool(run_dir, run_id, tracking_uri))
         tracker.spool.end.unlink(missing_ok=True)  # resumed: RUNNING again until its own end
         log.info("tracking: MLflow run %s in %s", run_id, tracking_uri)
-        tracker.log_params(config)
+        if resume_run_id is None:  # MLflow's params are immutable: a resumed run keeps those it
+            tracker.log_params(config)  # started with (trainer.main tags what a resume changed)
         return tracker
 
     @_tolerant("params")
@@ -231,6 +232,10 @@ class Tracker:
             path = Path(scratch) / "config.json"
             config.to_json(path)
             self.client.log_artifact(self.run_id, str(path))
+
+    @_tolerant("tags")
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue metrics (floats or 0-d tensors) at `step`; sent every `flush_seconds`."""

@@ -316,4 +316,4 @@ class Trainer:
         self.state.mlflow_run_id = self.tracker.run_id
         self.state.finetunes_cnn = bool(self.engine_finetunes)
         save_checkpoint(self.engine, self.state, self.run_dir, self.ctx.rank,
-                        self.cfg.run.keep_checkpoints)
+                        self.cfg.run.keep_checkpoints, self.cfg)
