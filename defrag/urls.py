@@ -45,15 +45,16 @@ MASK = "***"
 SECRET_NAME = (r"[\w.-]*?(?:signature|credential|token|secret|password|passwd|apikey|"
                r"authorization)|(?:[\w.-]*[-_.])?key|sig|pwd")
 _REDACTIONS = [
-    # user:password@ (or a token as the user name) in a URL of any scheme
+    # user:password@ in a URL of any scheme (the user name kept), or a token as the user name
     (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#'\"<>]*)@"),
      lambda m: f"{m[1]}{m[2].split(':')[0] + ':' if ':' in m[2] else ''}{MASK}@"),
     # NAME=value: a query parameter, an environment setting, a --flag=value
     (re.compile(rf"(?i)(?<![\w.-])({SECRET_NAME})=(?:(?!::|:\s|:$)[^\s&#'\"<>,;(){{}}\[\]])+"),
      lambda m: f"{m[1]}={MASK}"),
-    # a --flag value of a secret, and curl's -u/--user user:password
+    # a secret flag's value (`--token abc`)
     (re.compile(rf"(?i)(?<!\S)(--?(?:{SECRET_NAME}))(\s+)(['\"]?)[^\s'\"]+"),
      lambda m: f"{m[1]}{m[2]}{m[3]}{MASK}"),
+    # curl's and wget's -u/--user user:password
     (re.compile(r"(?<!\S)(-u|--user)(\s+|=)(['\"]?)([^\s'\":]*):[^\s'\"]+"),
      lambda m: f"{m[1]}{m[2]}{m[3]}{m[4]}:{MASK}"),
     # an Authorization header in text (`Authorization: Bearer abc`)
