@@ -10,6 +10,8 @@ import http.client
 import io
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -217,6 +219,33 @@ def test_an_image_over_the_pixel_bound_answers_413(url: str) -> None:
         "limit of 40000000 (40 megapixels): scale it down, or raise the limit "
         "(max_image_pixels)")}
     assert requests.get(f"{url}/api/info").status_code == 200
+
+
+def test_uploads_are_decoded_at_most_upload_slots_at_a_time(
+        world: SearchWorld, index: SearchIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four simultaneous uploads to a server with one slot are embedded one after another (each
+    kept busy 0.2 s, so they would overlap without the slot), and all are answered."""
+    embed, active, most, lock = index.sentences_for_file, 0, 0, threading.Lock()
+
+    def counted(path: Path, k: int) -> list:
+        nonlocal active, most
+        with lock:
+            active += 1
+            most = max(most, active)
+        time.sleep(0.2)
+        try:
+            return embed(path, k)
+        finally:
+            with lock:
+                active -= 1
+
+    monkeypatch.setattr(index, "sentences_for_file", counted)
+    photo = (world.photos / world.expected).read_bytes()
+    with serving(serve.create_app(index, UPLOAD_LIMIT, upload_slots=1)) as base, \
+            ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: requests.post(
+            f"{base}/api/sentences", data=photo, headers={"Content-Type": "image/png"}), range(4)))
+    assert [answer.status_code for answer in answers] == [200] * 4 and most == 1
 
 
 def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:

@@ -3,6 +3,7 @@ collection: sentence -> images, image (indexed or uploaded) -> sentences, and wh
 
     python -m trainer.serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
                             [--max-upload-mb 10] [--max-image-pixels 40000000]
+                            [--upload-slots 2]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
 /openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/static: nothing is
@@ -21,6 +22,7 @@ import functools
 import io
 import logging
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 MIB = 2**20
 MAX_K = 100  # results one request may ask for
+UPLOAD_SLOTS = 2  # uploads decoded at once: the server's memory is bounded by this x one upload's
 
 
 class ErrorBody(BaseModel):
@@ -59,9 +62,13 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
 
 
-def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
+def create_app(index: SearchIndex, max_upload_bytes: int,
+               upload_slots: int = UPLOAD_SLOTS) -> FastAPI:
     """The app over an opened index; uploads over `max_upload_bytes`, or over the index
-    embedder's pixel bound (from the image header, before decoding), are refused (413)."""
+    embedder's pixel bound (from the image header, before decoding), are refused (413); at most
+    `upload_slots` uploads are decoded at once (each may hold a few full decodes of the
+    largest image allowed), the others wait their turn."""
+    decoding = threading.BoundedSemaphore(upload_slots)
     app = FastAPI(
         title="DeFrag search", version="1", docs_url=None, redoc_url=None,
         description="Search a photo collection with sentences, and sentences with photos, using "
@@ -171,7 +178,8 @@ def create_app(index: SearchIndex, max_upload_bytes: int) -> FastAPI:
             path = Path(folder) / "upload"
             path.write_bytes(body)
             try:
-                hits = index.sentences_for_file(path, k)
+                with decoding:
+                    hits = index.sentences_for_file(path, k)
             except RetrievalError as err:  # the message names the temporary file
                 raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
         return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
@@ -231,15 +239,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-upload-mb", type=float, default=10.0,
                         help="largest image upload, in MiB (default 10)")
     add_pixel_limit_flag(parser)
+    parser.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS,
+                        help=f"uploads decoded at once, the others wait (default {UPLOAD_SLOTS}): "
+                             f"peak memory grows by about this x 8 bytes x --max-image-pixels")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.max_upload_mb <= 0:
         parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if args.upload_slots < 1:
+        parser.error(f"--upload-slots must be >= 1, got {args.upload_slots}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     with one_line_errors(parser.prog, args.debug):
         index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
         index.warm_up()
-    app = create_app(index, int(args.max_upload_mb * MIB))
+    app = create_app(index, int(args.max_upload_mb * MIB), args.upload_slots)
     log.info("serving %d images and %d sentences of %s", len(index.image_names),
              len(index.sentences), args.index)
     uvicorn.run(app, host=args.host, port=args.port)
