@@ -54,7 +54,7 @@ _REDACTIONS = [
     # a secret flag's value (`--token abc`)
     (re.compile(rf"(?i)(?<!\S)(--?(?:{SECRET_NAME}))(\s+)(['\"]?)[^\s'\"]+"),
      lambda m: f"{m[1]}{m[2]}{m[3]}{MASK}"),
-    # curl's and wget's -u/--user user:password
+    # curl's -u/--user user:password
     (re.compile(r"(?<!\S)(-u|--user)(\s+|=)(['\"]?)([^\s'\":]*):[^\s'\"]+"),
      lambda m: f"{m[1]}{m[2]}{m[3]}{m[4]}:{MASK}"),
     # an Authorization header in text (`Authorization: Bearer abc`)
