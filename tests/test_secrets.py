@@ -133,14 +133,16 @@ def test_one_line_errors_and_the_log_lines_of_a_command_mask_credentials(
             if record.name == "trainer.reader"] == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
 
 
-def test_the_error_tag_of_a_failed_run_is_masked(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tags_of_a_failed_run_are_masked(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     tracker = Tracker.start(Config(), tmp_path, rank=0)
     with pytest.raises(ValueError), tracker:
+        tracker.set_tag("note", f"read from http://{USER}:{PASSWORD}@h/")
         raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar?sig=abc is not in the manifest")
     run = MlflowClient(tracker.tracking_uri).get_run(tracker.run_id)
     assert run.info.status == "FAILED"
+    assert run.data.tags["note"] == f"read from http://{USER}:{MASK}@h/"
     assert run.data.tags[ERROR_TAG] == (f"ValueError: shard http://{USER}:{MASK}@h/x.tar?sig={MASK}"
                                         " is not in the manifest")
 

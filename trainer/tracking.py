@@ -235,7 +235,8 @@ class Tracker:
 
     @_tolerant("tags")
     def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, value)
+        """Tag the run, credentials in `value` masked."""
+        self.client.set_tag(self.run_id, key, redact(value))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue metrics (floats or 0-d tensors) at `step`; sent every `flush_seconds`."""
