@@ -51,10 +51,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(index: Path, port: int) -> subprocess.Popen:
-    """`python -m trainer.serve` on `port`, once /api/info answers."""
+def start_server(index: Path, port: int, *options: str, code: Path | None = None
+                 ) -> subprocess.Popen:
+    """`python -m trainer.serve` on `port` with `options`, once /api/info answers; `code`: the
+    project tree it runs from (default: this one's, as installed)."""
+    env = None if code is None else {**os.environ, "PYTHONPATH": str(code)}
     server = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--index", str(index),
-                               "--port", str(port)], stderr=subprocess.PIPE, text=True)
+                               "--port", str(port), *options], stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=code)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:

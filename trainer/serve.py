@@ -22,7 +22,7 @@ import functools
 import io
 import logging
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
@@ -66,9 +66,10 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
                upload_slots: int = UPLOAD_SLOTS) -> FastAPI:
     """The app over an opened index; uploads over `max_upload_bytes`, or over the index
     embedder's pixel bound (from the image header, before decoding), are refused (413); at most
-    `upload_slots` uploads are decoded at once (each may hold a few full decodes of the
-    largest image allowed), the others wait their turn."""
-    decoding = threading.BoundedSemaphore(upload_slots)
+    `upload_slots` uploads are decoded at once, by as many threads of their own (so that the
+    memory the allocator keeps after a decode is kept by those few threads only), the others
+    wait their turn."""
+    decoders = ThreadPoolExecutor(upload_slots, thread_name_prefix="upload")
     app = FastAPI(
         title="DeFrag search", version="1", docs_url=None, redoc_url=None,
         description="Search a photo collection with sentences, and sentences with photos, using "
@@ -178,8 +179,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
             path = Path(folder) / "upload"
             path.write_bytes(body)
             try:
-                with decoding:
-                    hits = index.sentences_for_file(path, k)
+                hits = decoders.submit(index.sentences_for_file, path, k).result()
             except RetrievalError as err:  # the message names the temporary file
                 raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
         return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
