@@ -52,7 +52,6 @@ from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.images import MAX_IMAGE_PIXELS
-from defrag.images import MAX_IMAGE_PIXELS
 from defrag.urls import redact
 from trainer.batch import owners
 from trainer.embedder import (
