@@ -31,14 +31,16 @@ Shards: --shards SPEC (a featurizer output folder), else Flickr-sized synthetic 
 into a temporary folder (--synthetic-images scenes at --synthetic-size 500x375, JPEG quality 90,
 whole-image boxes, spaCy parses).
 
---startup 1000,10000,100000: for each size, a training split of that many tiny samples is written
-(tar + manifest, no featurizer: the same 1 KB JPEG and caption in each), then a fresh process
-makes a TrainLoader and draws its first batch; its wall times and peak resident memory are
-reported (after the imports). Streaming reads no shard before the first batch, so both must stay
-flat.
+--startup 1000,100000 (the default; '' skips it): for each size, a training split of that many
+tiny samples is written (tar + manifest, no featurizer: the same 1 KB JPEG and caption in each),
+then a fresh process makes a TrainLoader and draws its first batch; its wall times and peak
+resident memory are reported (after the imports). The sizes take turns, --startup-repeats times,
+and each size's fastest first batch and median peak count. Streaming reads no shard before the
+first batch, so both must stay flat: the largest size's within --startup-limit (1.2) times the
+smallest's, else the script exits 1.
 
     python benchmarks/bench_data.py [--shards DIR] [--workers 1] [--image-size 224]
-        [--repeats 3] [--http] [--startup 1000,10000,100000]
+        [--repeats 3] [--http] [--startup 1000,100000] [--startup-repeats 5]
 """
 
 from __future__ import annotations
@@ -341,18 +343,41 @@ print(json.dumps({"loader_made_s": made - imported, "first_batch_s": first - imp
 """
 
 
-def startup(sizes: list[int]) -> list[dict]:
+def startup(sizes: list[int], repeats: int) -> list[dict]:
+    """Each size's fastest time to the first batch and median peak RSS over `repeats` fresh
+    processes, the sizes taking turns (so the machine's drift hits them alike)."""
+    runs: dict[int, list[dict]] = {size: [] for size in sizes}
+    with tempfile.TemporaryDirectory() as tmp:
+        splits = {size: tiny_split(Path(tmp) / str(size), size) for size in sizes}
+        for _ in range(repeats):
+            for size, shards in splits.items():
+                out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, str(shards)],
+                                     check=True, capture_output=True, text=True).stdout
+                runs[size].append(json.loads(out.splitlines()[-1]))
     rows = []
-    for size in sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            shards = tiny_split(Path(tmp), size)
-            out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, str(shards)],
-                                 check=True, capture_output=True, text=True).stdout
-            rows.append({"samples": size, **json.loads(out.splitlines()[-1])})
-            print(f"start-up, {size:>7} samples: loader made in {rows[-1]['loader_made_s']:.2f} "
-                  f"s, first batch at {rows[-1]['first_batch_s']:.2f} s, peak RSS "
-                  f"{rows[-1]['peak_rss_mb']:.0f} MB")
+    for size, measured in runs.items():
+        times = ", ".join(f"{run['first_batch_s']:.3f}" for run in measured)
+        rows.append({"samples": size, "repeats": measured,
+                     **{key: min(run[key] for run in measured)
+                        for key in ("loader_made_s", "first_batch_s")},
+                     "peak_rss_mb": statistics.median(run["peak_rss_mb"] for run in measured)})
+        print(f"start-up, {size:>7} samples: loader made in {rows[-1]['loader_made_s']:.3f} s, "
+              f"first batch at {rows[-1]['first_batch_s']:.3f} s (fastest of {repeats}; all: "
+              f"{times}), peak RSS "
+              f"{rows[-1]['peak_rss_mb']:.0f} MB")
     return rows
+
+
+def startup_flat(rows: list[dict], limit: float) -> dict:
+    """The largest size's first-batch time and peak RSS over the smallest's, and whether both
+    are within `limit`."""
+    small, large = rows[0], rows[-1]
+    ratios = {key: large[key] / small[key] for key in ("first_batch_s", "peak_rss_mb")}
+    flat = all(ratio <= limit for ratio in ratios.values())
+    print(f"start-up, {large['samples']} against {small['samples']} samples: first batch "
+          f"x{ratios['first_batch_s']:.2f}, peak RSS x{ratios['peak_rss_mb']:.2f} (limit "
+          f"{limit}): {'flat' if flat else 'NOT FLAT'}")
+    return {"ratios": ratios, "limit": limit, "flat": flat}
 
 
 def main() -> None:
@@ -368,7 +393,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternations of loader epochs and plain decoding passes")
     parser.add_argument("--http", action="store_true", help="also stream from a web server")
-    parser.add_argument("--startup", default="", help="comma-separated training set sizes")
+    parser.add_argument("--startup", default="1000,100000",
+                        help="comma-separated training set sizes of the start-up check ('' "
+                             "skips it)")
+    parser.add_argument("--startup-repeats", type=int, default=5,
+                        help="fresh processes per size")
+    parser.add_argument("--startup-limit", type=float, default=1.2,
+                        help="largest size's first batch and peak RSS, in multiples of the "
+                             "smallest's")
     args = parser.parse_args()
     if args.workers < 1:
         parser.error("--workers must be >= 1: this measures loader processes")
@@ -380,8 +412,13 @@ def main() -> None:
                                                               size))
             result["throughput"] = throughput(args, shards)
     if args.startup:
-        result["startup"] = startup([int(size) for size in args.startup.split(",")])
+        rows = startup(sorted(int(size) for size in args.startup.split(",")),
+                       args.startup_repeats)
+        result["startup"] = {"sizes": rows, **startup_flat(rows, args.startup_limit)}
     print(json.dumps(result))
+    if args.startup and not result["startup"]["flat"]:
+        sys.exit(f"start-up grows with the training set: over {args.startup_limit} x the "
+                 f"{rows[0]['samples']}-sample split's (see the start-up lines)")
 
 
 if __name__ == "__main__":

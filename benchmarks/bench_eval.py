@@ -1,20 +1,36 @@
 """Time and peak memory of score_matrix on a Flickr-size test set against its matrix-product floor.
 
-The floor is the block products v_block @ s_block^T alone (results discarded) over the same
-blocks, timed in the same run. A first score_matrix call warms up and measures the peak memory:
-the kernel's high-water mark of resident memory (VmHWM), reset through /proc/self/clear_refs just
-before the call (Linux). Then times are the best of --repeats runs, floor and score_matrix
-alternating so that load drift on a shared machine hits both alike; wall-clock and process CPU
-seconds (all threads) are both reported, CPU time being the steadier one under contention.
+Memory (target: bounded): score_matrix runs on test sets of each of --memory-images images (as
+many sentences per image as --sentences / --images). Its peak is the kernel's high-water mark of
+resident memory (VmHWM), reset through /proc/self/clear_refs just before the call (Linux), less
+the resident memory before it (the inputs); its working memory is that peak less the score
+matrix it returns (images x sentences float32). The working memory of the smallest set is the
+floor (it should span a few full blocks: 250 images x 1250 sentences are 4 x 3 blocks): a larger
+set's must stay within --memory-limit (1.2) times it, else the script exits 1.
+glibc's malloc gets a fixed mmap threshold (128 KiB) first: with its default, moving threshold
+a freed block of up to 32 MiB stays in the heap, and the high-water mark then counts whatever
+slack earlier calls left there (tens of MiB, varying from call to call), not the call's own. An
+unmeasured first call on the smallest set absorbs the one-time allocations of a first call.
+
+Time (target: <= 2x the floor): the floor is the block products v_block @ s_block^T alone
+(results discarded) over the same blocks of the --images set, timed in the same run. Times are
+the best of --repeats runs, floor and score_matrix alternating so that load drift on a shared
+machine hits both alike; wall-clock and process CPU seconds (all threads) are both reported, CPU
+time being the steadier one under contention.
 
     python benchmarks/bench_eval.py [--images 1000] [--sentences 5000] [--chunk-images 64]
-                                    [--chunk-sentences 512] [--shuffle] [--repeats 3]
+        [--chunk-sentences 512] [--shuffle] [--repeats 1] [--memory-images 250,500]
+        [--memory-limit 1.2]
+
+The default run takes about two minutes on a 2-core machine; --repeats 3 gives steadier times.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,17 +38,19 @@ import torch
 
 from trainer.evaluate import score_matrix
 
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def make_test_set(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+def make_test_set(args: argparse.Namespace, images: int,
+                  sentences: int) -> tuple[torch.Tensor, ...]:
     """Seeded random float32 fragments: image_frags per image, a uniform count per sentence."""
     g = torch.Generator().manual_seed(args.seed)
-    v_count = torch.full((args.images,), args.image_frags)
+    v_count = torch.full((images,), args.image_frags)
     s_count = torch.randint(args.min_sentence_frags, args.max_sentence_frags + 1,
-                            (args.sentences,), generator=g)
-    v_owner = torch.arange(args.images).repeat_interleave(v_count)
-    s_owner = torch.arange(args.sentences).repeat_interleave(s_count)
+                            (sentences,), generator=g)
+    v_owner = torch.arange(images).repeat_interleave(v_count)
+    s_owner = torch.arange(sentences).repeat_interleave(s_count)
     v = torch.randn(len(v_owner), args.dim, generator=g) / args.dim**0.5
     s = torch.randn(len(s_owner), args.dim, generator=g)
     return v, v_owner, v_count, s, s_owner, s_count
@@ -62,6 +80,53 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size
 
 
+def given_fragments(args: argparse.Namespace, v: torch.Tensor, v_owner: torch.Tensor,
+                    s: torch.Tensor, s_owner: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What score_matrix gets: the fragments as made, or in random owner order (--shuffle)."""
+    if not args.shuffle:
+        return v, v_owner, s, s_owner
+    perm_v, perm_s = torch.randperm(len(v)), torch.randperm(len(s))
+    return v[perm_v], v_owner[perm_v], s[perm_s], s_owner[perm_s]
+
+
+def score_memory(args: argparse.Namespace, given: tuple[torch.Tensor, ...], images: int,
+                 sentences: int) -> dict:
+    """Time and peak resident memory of one score_matrix call, the peak both as VmHWM and above
+    the memory before the call, and that less the score matrix it returns (working memory)."""
+    before = resident_bytes("VmRSS")
+    reset_peak()
+    wall = time.perf_counter()
+    scores = score_matrix(*given, images, sentences, chunk_images=args.chunk_images,
+                          chunk_sentences=args.chunk_sentences)
+    wall = time.perf_counter() - wall
+    peak = resident_bytes("VmHWM")
+    matrix = scores.numel() * scores.element_size()
+    return {"images": images, "sentences": sentences, "seconds": wall, "rss_before_bytes": before,
+            "peak_rss_bytes": peak, "peak_increase_bytes": peak - before,
+            "score_matrix_bytes": matrix, "working_bytes": peak - before - matrix}
+
+
+def smaller_set_memory(args: argparse.Namespace, images: int) -> dict:
+    """score_memory on a test set of `images` images (sentences in the --images set's ratio)."""
+    sentences = round(images * args.sentences / args.images)
+    v, v_owner, _, s, s_owner, _ = make_test_set(args, images, sentences)
+    return score_memory(args, given_fragments(args, v, v_owner, s, s_owner), images, sentences)
+
+
+def memory_ratios(rows: list[dict], limit: float) -> bool:
+    """Print each set's working memory against the smallest set's (the floor); all within
+    `limit` times it?"""
+    floor = rows[0]["working_bytes"]
+    for row in rows:
+        row["ratio"] = row["working_bytes"] / floor
+        print(f"  memory, {row['images']:>5} images x {row['sentences']:>5} sentences: peak "
+              f"+{row['peak_increase_bytes'] / MIB:.0f} MiB = score matrix "
+              f"{row['score_matrix_bytes'] / MIB:.1f} MiB + working "
+              f"{row['working_bytes'] / MIB:.1f} MiB ({row['ratio']:.2f} x the floor; limit "
+              f"{limit})")
+    return all(row["ratio"] <= limit for row in rows)
+
+
 def timed(fn) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of fn()."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -81,16 +146,17 @@ def main() -> None:
     parser.add_argument("--chunk-sentences", type=int, default=512)
     parser.add_argument("--shuffle", action="store_true",
                         help="give score_matrix the fragments in random owner order")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--memory-images", default="250,500",
+                        help="comma-separated sizes of the smaller test sets of the memory check "
+                             "(the --images set is the largest)")
+    parser.add_argument("--memory-limit", type=float, default=1.2,
+                        help="largest working memory, in multiples of the smallest set's")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    v, v_owner, v_count, s, s_owner, s_count = make_test_set(args)
-    if args.shuffle:
-        perm_v, perm_s = torch.randperm(len(v)), torch.randperm(len(s))
-        given = v[perm_v], v_owner[perm_v], s[perm_s], s_owner[perm_s]
-    else:
-        given = v, v_owner, s, s_owner
+    v, v_owner, v_count, s, s_owner, s_count = make_test_set(args, args.images, args.sentences)
+    given = given_fragments(args, v, v_owner, s, s_owner)
     input_bytes = sum(t.numel() * t.element_size() for t in given)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.images} images x "
           f"{args.sentences} sentences, {len(v)} x {len(s)} fragments, d = {args.dim}, chunks "
@@ -104,11 +170,14 @@ def main() -> None:
         block_products(v, v_count, s, s_count, args.chunk_images, args.chunk_sentences)
 
     with torch.no_grad():
-        rss_before = resident_bytes("VmRSS")
-        reset_peak()
-        warm_up = timed(scores)
-        peak = resident_bytes("VmHWM")
-        print(f"  warm-up: score_matrix {warm_up[0]:.2f} s")
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        sizes = sorted(int(images) for images in args.memory_images.split(","))
+        smaller_set_memory(args, sizes[0])
+        memory = [smaller_set_memory(args, images) for images in sizes]
+        memory.append(score_memory(args, given, args.images, args.sentences))  # and warm-up
+        bounded = memory_ratios(memory, args.memory_limit)
+        rss_before, peak = memory[-1]["rss_before_bytes"], memory[-1]["peak_rss_bytes"]
+        print(f"  warm-up: score_matrix {memory[-1]['seconds']:.2f} s")
         runs = []
         for _ in range(args.repeats):
             runs.append((*timed(floor), *timed(scores)))
@@ -125,7 +194,8 @@ def main() -> None:
         "cpu_ratio": cpu / floor_cpu,
         "floor_gflops": 2 * len(v) * len(s) * args.dim / floor_wall / 1e9,
         "input_bytes": input_bytes, "rss_before_bytes": rss_before, "peak_rss_bytes": peak,
-        "peak_increase_bytes": peak - rss_before,
+        "peak_increase_bytes": peak - rss_before, "memory": memory,
+        "memory_limit": args.memory_limit, "memory_bounded": bounded,
     }
     print(f"score_matrix {wall:.2f} s, floor {floor_wall:.2f} s "
           f"({result['floor_gflops']:.0f} GFLOP/s), ratio {result['ratio']:.2f} (CPU time "
@@ -133,6 +203,9 @@ def main() -> None:
           f"{(peak - rss_before) / GIB:.2f} GiB above the {rss_before / GIB:.2f} GiB before the "
           f"call (inputs {input_bytes / GIB:.2f} GiB)")
     print(json.dumps(result))
+    if not bounded:
+        sys.exit(f"working memory grows with the test set: over {args.memory_limit} x the "
+                 f"{memory[0]['images']}-image set's (see the memory lines)")
 
 
 if __name__ == "__main__":
