@@ -31,8 +31,9 @@ def explain(image_path: Path, image: FragmentSet, sentence: FragmentSet, embedde
     if not len(s):
         log.warning("nothing to explain: %r has no fragment the model knows", sentence.items[0])
         return None, []
-    picture, alignment = alignment_figure(_pixels(image_path), boxes, sentence.items[0], v, s,
-                                          ids, embedder.vocab, embedder.cfg.model.fragment_mode)
+    picture, alignment = alignment_figure(_pixels(image_path, embedder), boxes, sentence.items[0],
+                                          v, s, ids, embedder.vocab,
+                                          embedder.cfg.model.fragment_mode)
     return picture, [{"fragment": label, "box": b,
                       "xyxy": [round(c, 1) for c in boxes[b].tolist()], "score": score}
                      for label, b, score in alignment]
@@ -60,15 +61,15 @@ def explain_words(image_path: Path, image: FragmentSet, sentence: str, embedder:
                   objective.score)[0]
     contribution = dict(zip(known, (scores[0] - scores[1:]).tolist(), strict=True))
     words = [(word, contribution.get(i)) for i, word in enumerate(tokens)]
-    picture = word_contribution_figure(_pixels(image_path), sentence, words, float(scores[0]),
-                                       objective.score)
+    picture = word_contribution_figure(_pixels(image_path, embedder), sentence, words,
+                                       float(scores[0]), objective.score)
     return picture, [{"word": word, "contribution": value} for word, value in words]
 
 
-def _pixels(image_path: Path) -> Image.Image:
-    """The image file to draw on."""
+def _pixels(image_path: Path, embedder: Embedder) -> Image.Image:
+    """The image file to draw on, decoded as the embedder decodes it (bound included)."""
     try:
-        return load_image(image_path).image
+        return load_image(image_path, embedder.max_image_pixels).image
     except BadImage as err:
         raise RetrievalError(f"cannot draw the explanation: {err}") from err
 
