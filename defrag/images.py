@@ -38,7 +38,7 @@ class ImageTooLarge(ValueError):
     def __init__(self, name: str, size: tuple[int, int], limit: int) -> None:
         width, height = size
         super().__init__(
-            f"{name} is {width} x {height} pixels ({width * height / 1e6:.1f} megapixels), over "
+            f"{name} is {width} x {height} pixels ({width * height / 1e6:.3g} megapixels), over "
             f"the limit of {limit} ({limit / 1e6:g} megapixels): scale it down, or raise the "
             f"limit (max_image_pixels)")
         self.size = size

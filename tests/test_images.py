@@ -25,7 +25,8 @@ from featurizer.sources import read_jsonl
 from trainer.config import Config, ModelConfig
 from trainer.embedder import Embedder, read_image
 from trainer.model import DeFragModel
-from trainer.reader import BadSample, SampleDecoder, decode_image
+from trainer.reader import BadSample, ReadOptions, SampleDecoder, decode_image, image_chunks
+from trainer.shardset import locate_split
 
 WIDTH, HEIGHT = 16, 8
 WHITE = 255  # defrag.images.BACKGROUND: transparent pixels are shown over white
@@ -191,7 +192,7 @@ def test_an_image_over_the_pixel_bound_is_refused_before_decoding(tmp_path: Path
         load_image(path)
     assert refused.value.reason == "too_large"
     assert str(refused.value) == (
-        f"{path} is 7000 x 7000 pixels (49.0 megapixels), over the limit of 40000000 "
+        f"{path} is 7000 x 7000 pixels (49 megapixels), over the limit of 40000000 "
         f"(40 megapixels): scale it down, or raise the limit (max_image_pixels)")
     decoder = SampleDecoder(Vocabulary(["dog"], ["nsubj"]), 32, 20, "triplet")
     with pytest.raises(BadSample, match=r"7000 x 7000 pixels .* over the limit of 40000000"):
@@ -200,16 +201,31 @@ def test_an_image_over_the_pixel_bound_is_refused_before_decoding(tmp_path: Path
             "captions": []})), path.read_bytes())
 
 
-def test_the_featurizer_counts_and_skips_an_image_over_the_bound(tmp_path: Path) -> None:
+def test_the_featurizer_and_the_shard_reader_count_and_skip_an_image_over_the_bound(
+        tmp_path: Path) -> None:
     (tmp_path / "small.png").write_bytes(encoded(Image.new("RGB", (40, 30), "red"), "PNG"))
     (tmp_path / "large.png").write_bytes(encoded(Image.new("1", (100, 100)), "PNG"))
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_text("".join(json.dumps({"image": name, "captions": ["A red dog runs ."]}) + "\n"
                              for name in ("small.png", "large.png")))
-    manifest = featurize(read_jsonl(jsonl, tmp_path, "train"), Settings(
-        out=tmp_path / "out", parser="spacy", boxes="fullframe", workers=1, min_word_count=1,
-        max_image_pixels=5000))
+
+    def featurized(out: str, **bound: int) -> dict:
+        return featurize(read_jsonl(jsonl, tmp_path, "train"), Settings(
+            out=tmp_path / out, parser="spacy", boxes="fullframe", workers=1, min_word_count=1,
+            **bound))
+
+    manifest = featurized("bounded", max_image_pixels=5000)
     assert manifest["splits"]["train"]["images"] == 1
     assert manifest["skipped"]["by_reason"] == {"too_large": 1}
     [item] = manifest["skipped"]["items"]
     assert item["line"] == 2 and "large.png is 100 x 100 pixels" in item["detail"]
+
+    assert featurized("all")["splits"]["train"]["images"] == 2  # under the default bound
+    split = locate_split(str(tmp_path / "all"), "train")
+    decoder = SampleDecoder(Vocabulary.load(tmp_path / "all" / "vocab.json"), 32, 20, "triplet",
+                            max_pixels=5000)
+    chunks = list(image_chunks(split.shards, range(len(split.shards)), decoder, ReadOptions()))
+    assert [image.size for images, _, _ in chunks for image in images] == [(40, 30)]
+    [problem] = [problem for _, _, notes in chunks for problem in notes.problems]
+    assert problem.kind == "sample" and "is 100 x 100 pixels (0.01 megapixels), over the limit " \
+        "of 5000" in problem.message

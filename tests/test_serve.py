@@ -215,7 +215,7 @@ def test_an_image_over_the_pixel_bound_answers_413(url: str) -> None:
     code, answer = raw(url, "POST", "/api/sentences", huge.getvalue(),
                        {"Content-Type": "image/png"})
     assert code == 413 and json.loads(answer) == {"error": (
-        "unusable image: the uploaded file is 7000 x 7000 pixels (49.0 megapixels), over the "
+        "unusable image: the uploaded file is 7000 x 7000 pixels (49 megapixels), over the "
         "limit of 40000000 (40 megapixels): scale it down, or raise the limit "
         "(max_image_pixels)")}
     assert requests.get(f"{url}/api/info").status_code == 200
