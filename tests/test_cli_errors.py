@@ -86,6 +86,17 @@ def test_a_refused_model_folder_is_one_line(tmp_path: Path, shards: Path) -> Non
                                    f"incomplete copy (--debug shows the traceback)"]
 
 
+def test_overrides_may_follow_the_options(tmp_path: Path, shards: Path) -> None:
+    """`--resume DIR key=value` after other overrides: every override is read (the bad one
+    named), none refused as an unrecognized argument."""
+    config = tiny_config(tmp_path, shards)
+    failed = run_cli("trainer.main", "--config", str(config), "optim.epochs=3", "--resume",
+                     str(tmp_path / "run" / "checkpoints" / "step-00000010"), "optim.lr=abc")
+    assert failed.returncode == 1
+    assert error_lines(failed) == ["trainer.main: error: config key optim.lr = 'abc': expected "
+                                   "a number > 0 (--debug shows the traceback)"]
+
+
 @pytest.mark.slow
 def test_an_unreachable_tracking_server_is_one_line(tmp_path: Path, shards: Path) -> None:
     config = tiny_config(tmp_path, shards)

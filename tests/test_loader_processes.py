@@ -84,6 +84,18 @@ def test_a_killed_loader_process_is_named() -> None:
     assert multiprocessing.active_children() == []
 
 
+def test_a_loader_process_outlives_a_sigterm() -> None:
+    """SLURM sends SIGTERM to every process of a job at its time limit: the loader processes go
+    on, so their training process reaches the step where it stops (trainer/preemption.py)."""
+    chunks = run_in_processes(numbered_chunks, 1, chunk_images=3, image_shape=SHAPE, prefetch=2)
+    first = next(chunks)
+    [child] = multiprocessing.active_children()
+    os.kill(child.pid, signal.SIGTERM)
+    assert [rows for rows, _, _ in [first, *chunks]] == [
+        rows for rows, _, _ in numbered_chunks(0, 1)]
+    assert multiprocessing.active_children() == []
+
+
 def endless_chunks(process: int, processes: int) -> Iterator[Chunk]:
     while True:
         yield from numbered_chunks(process, processes)

@@ -201,9 +201,10 @@ class CaptionTrainer:
                 if self.state.global_step % self.cfg.run.log_every_steps == 0:
                     self.tracker.log_metrics({"train/loss": value, "train/lr": lr},
                                              step=self.state.global_step)
-                if stop_requested(self.run_dir, self.ctx):
+                stop = stop_requested(self.run_dir, self.ctx)
+                if stop:
                     self.checkpoint()
-                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step)
+                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step, stop)
                 every = self.cfg.run.checkpoint_every_steps
                 if every and self.state.global_step % every == 0 and index + 1 < self.steps:
                     self.checkpoint()

@@ -51,8 +51,10 @@ def _serve(source: ChunkSource, process: int, processes: int, ring: np.ndarray,
            free_slots: Semaphore, connection: Connection, parent: int) -> None:
     """A loader process: each chunk of `source` into the next ring slot once the training
     process has freed it, then a message naming the slot; None at the end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the training process, which
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # then terminates its loader processes
+    # Ctrl-C and SIGTERM (SLURM's, to every process of a job) are for the training process,
+    # which then stops at a step (trainer/preemption.py) and kills its loader processes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         for number, (rows, pixels, notes) in enumerate(source(process, processes)):
             slot = number % len(ring)
@@ -116,7 +118,7 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
     finally:
         for process, (child, reader, _, _) in enumerate(children):
             if process in running:  # stopped early, or failed: nothing more is wanted
-                child.terminate()
+                child.kill()
             child.join()
             reader.close()
 

@@ -2,8 +2,9 @@
 
 Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
 latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
-(trainer/train.py), and registers the best model in MLflow. A run asked to stop
-(trainer/preemption.py) checkpoints and exits 0 without registering.
+(trainer/train.py), and registers the best model in MLflow. Rank 0 holds the run folder's lock
+for the whole run (trainer/run_lock.py). A run asked to stop (the PREEMPT file, or SIGTERM:
+trainer/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without registering.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from trainer.checkpoint import (
 from trainer.config import Config
 from trainer.distributed import DistContext, end_process, init_distributed
 from trainer.model import DeFragModel
-from trainer.preemption import Preempted
+from trainer.preemption import Preempted, stop_on_sigterm
 from trainer.registry import register_from_run
+from trainer.run_lock import run_dir_locked
 from trainer.shardset import load_vocabulary
 from trainer.tracking import RegistrationFailed, Tracker
 from trainer.train import Trainer
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None, prog: str, doc: str) -> argparse.Namespac
                              "'none' (start over), or a checkpoint folder")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=0.01")
     add_debug_flag(parser)
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the options
 
 
 def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
@@ -120,20 +122,23 @@ def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
 TrainFn = Callable[[Config, DistContext, str], dict]
 
 
-def run(args: argparse.Namespace, train_fn: TrainFn) -> None:
-    """Load the config, join the process group, train; the summary printed by rank 0."""
+def run(args: argparse.Namespace, train_fn: TrainFn) -> int:
+    """Load the config, join the process group, lock the run folder, train; the summary printed
+    by rank 0. The exit status: 0, or a stop's (trainer/preemption.py says why)."""
     cfg = Config.load(args.config, args.overrides)
     ctx = init_distributed(cfg.run.device)
     try:
-        summary = train_fn(cfg, ctx, args.resume)
-    except Preempted as stop:  # a clean stop: exit 0 (trainer/preemption.py says why)
+        with run_dir_locked(cfg.run.run_dir, ctx), stop_on_sigterm():
+            summary = train_fn(cfg, ctx, args.resume)
+    except Preempted as stop:  # a clean stop
         log.info("%s", stop)
-        return
+        return stop.exit_code
     except RegistrationFailed as failed:  # trained, not registered: the summary, then exit 1
         print(json.dumps(redact(failed.summary)))
         raise
     if ctx.is_main:
         print(json.dumps(redact(summary)))
+    return 0
 
 
 def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | None], None]:
@@ -146,8 +151,7 @@ def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | Non
         code = 1  # unless the training ends or is preempted
         try:
             with one_line_errors(prog, args.debug):
-                run(args, train_fn)
-                code = 0
+                code = run(args, train_fn)
         except SystemExit as failed:  # one_line_errors' line (end_process exits before Python
             print(failed.code, file=sys.stderr)  # would print it)
         except Exception:  # with --debug

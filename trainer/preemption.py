@@ -1,22 +1,37 @@
-"""Stop on request with a checkpoint: how a preempted or time-limited job (SLURM) ends cleanly.
+"""Stop on request with a checkpoint: how a preempted, evicted or time-limited job ends cleanly.
 
-A stop is requested by creating the file `<run_dir>/PREEMPT`: launch/slurm/train.sbatch does it
-when its batch shell gets SIGUSR1 shortly before the time limit, and `touch` does it by hand. A
-file rather than a signal because torchrun's agent does not forward SIGUSR1 to its workers (the
-signal kills the agent), and SIGTERM reaches every process at once with no time to agree on a
-step. In multi-node runs `run_dir` is on a shared filesystem anyway (checkpoints, resume).
+A stop is requested two ways:
+- the file `<run_dir>/PREEMPT`: launch/slurm/train.sbatch creates it when its batch shell gets
+  SIGUSR1 shortly before the time limit (`--signal=B:USR1@120`), and `touch` does it by hand. A
+  file because torchrun's agent does not forward SIGUSR1 to its workers (the signal kills it).
+  Only rank 0 looks (ranks on other nodes may see a shared filesystem late);
+- SIGTERM to any rank: what SLURM sends at the time limit, on preemption or `scancel` (to every
+  process of the job), and Kubernetes or `docker stop` on eviction (to torchrun, whose agent
+  sends it on to every worker). Inside `stop_on_sigterm` the signal only sets a flag.
 
-Every step, rank 0 looks for the file and broadcasts what it saw, so all ranks stop after the
-same step. They checkpoint together, rank 0 replaces the request with `<run_dir>/PREEMPTED`
-(the checkpoint's global step), and every rank raises `Preempted`: `trainer.main` then exits 0
-without registering a model. Exit 0, not a special code, because torchrun reports any failed
-worker as its own exit code 1 (and restarts the workers under `--max-restarts`), so a code
-would never reach the batch script. The script requeues the job when it finds PREEMPTED, and
-the requeued job resumes from the checkpoint (`--resume latest`).
+Every step, every rank calls `stop_requested`: one all-reduce of what each rank saw, so all
+ranks stop after the same step. They checkpoint together, rank 0 replaces the request with
+`<run_dir>/PREEMPTED` (the checkpoint's global step), and every rank raises `Preempted`:
+`trainer.main` marks the MLflow run KILLED and exits without registering a model.
+
+The exit status. On the PREEMPT file: 0, because torchrun reports a failed worker as its own
+exit status 1 (and restarts the workers under `--max-restarts`), so a code would never reach the
+batch script. On SIGTERM: 143 (128 + SIGTERM, what the signal itself would give), so a bare
+`python -m trainer.main` in a Kubernetes Job is retried rather than counted as complete. torchrun
+itself, once SIGTERMed, waits for its workers (`--shutdown-timeout`, 30 s by default, then
+SIGKILL), logs the signal with a SignalException traceback and exits 1 whatever they returned:
+the step and its checkpoint must fit in that time and in SLURM's KillWait or Kubernetes'
+terminationGracePeriodSeconds (30 s by default each). Either way PREEMPTED, not the status,
+says the run stopped cleanly: the batch script requeues the job when it finds it, and the next
+attempt resumes from the checkpoint (`--resume latest`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,30 +41,50 @@ from trainer.distributed import DistContext
 
 REQUEST = "PREEMPT"  # created by whoever wants the run to stop
 DONE = "PREEMPTED"  # left by the run once it stopped with a checkpoint
+SIGTERM = "SIGTERM"
+SIGTERM_EXIT = 128 + signal.SIGTERM
+_REASONS = {1: REQUEST, 2: SIGTERM}  # combined across ranks by their maximum
+_sigterm = threading.Event()
 
 
 class Preempted(Exception):
-    """Raised on every rank once the requested stop's checkpoint is complete."""
+    """Raised on every rank once the requested stop's checkpoint is complete; `exit_code` is
+    the process's exit status."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def stop_requested(run_dir: str | Path, ctx: DistContext) -> bool:
-    """Collective, called by every rank at every step: whether rank 0 sees the request file.
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside the block SIGTERM asks for a stop after the current step (`stop_requested`)
+    instead of ending the process at once. Call it in the main thread."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _sigterm.clear()
 
-    Only rank 0 looks (ranks on other nodes may see a shared filesystem late); the broadcast of
-    one integer makes the answer identical everywhere.
-    """
-    flag = torch.tensor([ctx.is_main and (Path(run_dir) / REQUEST).exists()], dtype=torch.int32,
-                        device=ctx.device)
+
+def stop_requested(run_dir: str | Path, ctx: DistContext) -> str | None:
+    """Collective, called by every rank at every step: why the run stops after this step (SIGTERM
+    when any rank got it, else REQUEST when rank 0 sees the file), None to go on; the same on
+    every rank."""
+    seen = 2 if _sigterm.is_set() else int(ctx.is_main and (Path(run_dir) / REQUEST).exists())
+    flag = torch.tensor([seen], dtype=torch.int32, device=ctx.device)
     if ctx.world_size > 1:
-        dist.broadcast(flag, src=0)
-    return bool(flag.item())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return _REASONS.get(int(flag.item()))
 
 
-def acknowledge(run_dir: str | Path, ctx: DistContext, step: int) -> Preempted:
+def acknowledge(run_dir: str | Path, ctx: DistContext, step: int, reason: str) -> Preempted:
     """After the checkpoint of `step`: rank 0 replaces the request with PREEMPTED; every rank
     gets the exception to raise."""
     if ctx.is_main:
         (Path(run_dir) / DONE).write_text(f"{step}\n")
         (Path(run_dir) / REQUEST).unlink(missing_ok=True)
-    return Preempted(f"stopped on request ({REQUEST} file) with a checkpoint at step {step}; "
-                     "run again (--resume latest) to continue")
+    what = "on SIGTERM" if reason == SIGTERM else f"on request ({REQUEST} file)"
+    return Preempted(f"stopped {what} with a checkpoint at step {step}; run again (--resume "
+                     "latest) to continue", SIGTERM_EXIT if reason == SIGTERM else 0)

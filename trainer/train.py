@@ -165,9 +165,10 @@ class Trainer:
                     self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
                                               "train/lr": lr, "train/pairs_per_s": rate},
                                              step=self.state.global_step)
-                if stop_requested(self.run_dir, self.ctx):  # e.g. SLURM's time limit is near
+                stop = stop_requested(self.run_dir, self.ctx)  # e.g. SLURM's time limit
+                if stop:
                     self.checkpoint()
-                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step)
+                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step, stop)
                 every = self.cfg.run.checkpoint_every_steps
                 if every and self.state.global_step % every == 0 and index + 1 < steps:
                     self.checkpoint()

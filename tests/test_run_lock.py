@@ -1,0 +1,212 @@
+"""The run_dir lock (trainer/run_lock.py): a second run on a run_dir in use is refused in one line
+naming the holder while the first finishes untouched; a lock whose holder is gone (a dead process
+here, a stopped heartbeat on another node, this job's own earlier process) is taken over; a
+run_dir the run cannot write fails at once, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.test_cli_errors import error_lines, run_cli
+from tests.test_train_e2e import tiny_config
+from trainer.run_lock import (
+    LOCK,
+    OWN_JOB_STALE_SECONDS,
+    STALE_SECONDS,
+    Holder,
+    RunDirInUse,
+    RunDirLock,
+    _start_time,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_USE = (r"run_dir {} is in use by host \S+ pid {} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC "
+          r"\(its lock file {}, refreshed \d+ s ago\); wait for it or use another run.run_dir")
+
+
+def write_lock(run_dir: Path, heartbeat_age: float = 0.0, **fields: object) -> Path:
+    """LOCK as the holder `fields` describe (the rest: this process) left it, its heartbeat
+    `heartbeat_age` seconds old."""
+    run_dir.mkdir(exist_ok=True)
+    holder = dataclasses.replace(Holder.me(), **fields)
+    path = run_dir / LOCK
+    path.write_text(json.dumps(dataclasses.asdict(holder)))
+    beat = time.time() - heartbeat_age
+    os.utime(path, (beat, beat))
+    return path
+
+
+def test_the_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, signal, sys; from trainer.run_lock import RunDirLock; "
+         "RunDirLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
+         str(run_dir)], cwd=ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    dead = json.loads((run_dir / LOCK).read_text())
+    lock = RunDirLock(run_dir)
+    with caplog.at_level(logging.WARNING, logger="trainer.run_lock"):
+        lock.acquire()
+    assert f"taking over the lock of host {dead['host']} pid {dead['pid']}" in caplog.text
+    assert "that process no longer runs" in caplog.text
+    assert json.loads((run_dir / LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # nothing left behind
+
+
+def test_a_reused_pid_does_not_keep_a_dead_holder_alive(tmp_path):
+    """A restarted container's new process may get the dead one's pid: the start time tells."""
+    write_lock(tmp_path, pid=os.getpid(), started="1")
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_a_live_process_on_this_machine_keeps_its_lock(tmp_path):
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(tmp_path, heartbeat_age=10 * STALE_SECONDS, pid=holder.pid,
+                   started=_start_time(holder.pid))
+        with pytest.raises(RunDirInUse, match=IN_USE.format(tmp_path, holder.pid,
+                                                            tmp_path / LOCK)):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_another_nodes_lock_is_kept_while_its_heartbeat_is_fresh(tmp_path, caplog):
+    path = write_lock(tmp_path, heartbeat_age=STALE_SECONDS - 30, host="node-7",
+                      machine="another-node", pid=4242)
+    with pytest.raises(RunDirInUse, match=IN_USE.format(tmp_path, 4242, path)):
+        RunDirLock(tmp_path).acquire()
+    assert json.loads(path.read_text())["host"] == "node-7"
+
+    write_lock(tmp_path, heartbeat_age=STALE_SECONDS + 30, host="node-7",
+               machine="another-node", pid=4242)
+    lock = RunDirLock(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="trainer.run_lock"):
+        lock.acquire()
+    assert "taking over the lock of host node-7 pid 4242" in caplog.text
+    assert "no heartbeat for" in caplog.text
+    lock.release()
+
+
+def test_this_jobs_earlier_rank_zero_is_taken_over_once_its_heartbeat_stopped(tmp_path,
+                                                                               monkeypatch):
+    """A torchrun restart or a SLURM requeue (same torchrun run id) whose rank 0 now runs on
+    another node than the dead one: no need to wait STALE_SECONDS."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4711")
+    stopped = OWN_JOB_STALE_SECONDS + 10
+    write_lock(tmp_path, heartbeat_age=stopped, machine="another-node", job="4712")
+    with pytest.raises(RunDirInUse):  # another job's
+        RunDirLock(tmp_path).acquire()
+    write_lock(tmp_path, heartbeat_age=OWN_JOB_STALE_SECONDS - 10, machine="another-node",
+               job="4711")
+    with pytest.raises(RunDirInUse):  # this job's, still beating
+        RunDirLock(tmp_path).acquire()
+    write_lock(tmp_path, heartbeat_age=stopped, machine="another-node", job="4711")
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_the_holder_refreshes_its_heartbeat_and_releases_only_its_own_lock(tmp_path):
+    lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
+    lock.acquire()
+    path = tmp_path / LOCK
+    old = time.time() - 1000
+    os.utime(path, (old, old))
+    time.sleep(0.5)
+    assert time.time() - path.stat().st_mtime < 5
+    lock.release()
+    assert not path.exists()
+
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    write_lock(tmp_path, machine="another-node", host="node-7")  # replaced by hand meanwhile
+    lock.release()
+    assert json.loads(path.read_text())["host"] == "node-7"
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path):
+    """A folder nobody can write: mode 555, or as root (whom modes do not stop) a read-only
+    tmpfs; a root that cannot mount skips, unless DEFRAG_REQUIRE_MOUNT=1 (CI) fails."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        problem = f"cannot mount a read-only tmpfs ({mounted.stderr.strip()})"
+        if os.environ.get("DEFRAG_REQUIRE_MOUNT") == "1":
+            pytest.fail(f"{problem} (DEFRAG_REQUIRE_MOUNT=1)")
+        pytest.skip(problem)
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_run_dir_fails_at_once_naming_it(tmp_path, shards, read_only_folder):
+    config = tiny_config(tmp_path, shards)
+    started = time.monotonic()
+    failed = run_cli("trainer.main", "--config", str(config), f"run.run_dir={read_only_folder}",
+                     env={"MLFLOW_TRACKING_URI": ""}, timeout=60)
+    assert failed.returncode == 1
+    [line] = error_lines(failed)
+    assert line.startswith(f"trainer.main: error: run_dir {read_only_folder} cannot be "
+                           "written ("), line
+    assert "set run.run_dir to a folder this user can write" in line
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_run_dir_in_use_is_refused_and_the_first_finishes(tmp_path, shards):
+    """The first run is frozen (SIGSTOP) once it has started tracking, so the second one surely
+    starts while the first holds the folder; then the first goes on to the end."""
+    config, run_dir, log = tiny_config(tmp_path, shards), tmp_path / "run", tmp_path / "first.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    with log.open("w") as output:
+        first = subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(config)],
+                                 cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "tracking: MLflow run" not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        first.send_signal(signal.SIGSTOP)
+        second = run_cli("trainer.main", "--config", str(config),
+                         env={"MLFLOW_TRACKING_URI": ""}, timeout=300)
+        first.send_signal(signal.SIGCONT)
+        first.wait(timeout=600)
+    finally:
+        first.kill()
+    assert second.returncode == 1, second.stderr[-4000:]
+    [line] = error_lines(second)
+    refusal = IN_USE.format(run_dir, first.pid, run_dir / LOCK)
+    assert re.fullmatch(f"trainer.main: error: {refusal}" + r" \(--debug shows the traceback\)",
+                        line), line
+    assert first.returncode == 0, log.read_text()[-4000:]
+    history = (run_dir / "history.jsonl").read_text().splitlines()
+    assert [json.loads(row)["epoch"] for row in history] == [0, 1]  # the first run's rows only
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    assert not (run_dir / LOCK).exists()
