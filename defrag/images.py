@@ -47,6 +47,8 @@ class ImageTooLarge(ValueError):
 
 @dataclass
 class Decoded:
+    """What `decode` gives: the pixels, the image's own size and its file format."""
+
     image: Image.Image  # RGB, oriented, at the size asked for (else the oriented original)
     size: tuple[int, int]  # the oriented original (width, height), whatever was asked for
     format: str | None  # PIL's name of the file format ("JPEG", "PNG", ...)
@@ -123,7 +125,7 @@ def _eight_bit(image: Image.Image) -> Image.Image:
     values = np.asarray(image)
     if image.mode in _SIXTEEN_BIT:
         return Image.fromarray((values >> 8).astype(np.uint8), "L")
-    values = np.nan_to_num(values.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    values = np.nan_to_num(values.astype(np.float32), nan=0.0, posinf=0.0, neginf=0.0)
     low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
     if image.mode == "I" and low >= 0 and high <= 65535:
         scaled = values / 256
