@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.test_cli_errors import error_lines, run_cli
-from tests.test_train_e2e import tiny_config
+from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
 from trainer.run_lock import (
     LOCK,
     OWN_JOB_STALE_SECONDS,
@@ -210,3 +211,22 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused_and_the_first_finishes(tmp_
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED"
     assert not (run_dir / LOCK).exists()
+
+
+@pytest.mark.slow
+def test_a_restarted_rank_zero_takes_over_the_lock_of_the_one_killed(tmp_path, shards):
+    """Under `torchrun --max-restarts`, rank 0 SIGKILLed while it holds the lock: the restarted
+    rank 0 (a new pid) takes the lock over, the run finishes and releases it."""
+    config = tiny_config(tmp_path, shards, checkpoint_every_steps=2)
+    process = torchrun(config, restarts=1)
+    deadline = time.monotonic() + 600
+    while saved_step(tmp_path / "run" / "checkpoints" / "latest") < 2:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    killed = rank_process(process, rank=0)
+    killed.kill()
+    output = finish(process)
+    assert (f"taking over the lock of host {socket.gethostname()} pid {killed.pid} "
+            in output), output[-4000:]
+    assert "that process no longer runs" in output
+    assert not (tmp_path / "run" / LOCK).exists()

@@ -1,8 +1,9 @@
 """launch/slurm/train.sbatch on a real one-node SLURM cluster started on localhost (CPU mode).
 
 The job is asked to stop mid-run the way SLURM does it before the time limit (SIGUSR1 to the
-batch shell, `--signal=B:USR1@120`): it checkpoints, requeues itself, resumes from the
-checkpoint and completes with a best model and one finished MLflow run.
+batch shell, `--signal=B:USR1@120`), or by SIGTERM to every process of its training step
+(`scancel --signal=TERM`): it checkpoints, requeues itself, resumes from the checkpoint and
+completes with a best model and one finished MLflow run.
 
 Needs root and Debian's `slurmctld slurmd slurm-client munge` (no systemd or cgroups:
 proctrack/linuxproc, task/none). Without them the test is skipped, unless DEFRAG_REQUIRE_SLURM=1
@@ -176,7 +177,8 @@ def job_field(env: dict[str, str], job: str, name: str) -> str:
     return match.group(1) if match else ""
 
 
-def test_job_stopped_by_signal_requeues_resumes_and_completes(slurm, tmp_path, shards):
+@pytest.mark.parametrize("signal", ["USR1", "TERM"])
+def test_job_stopped_by_signal_requeues_resumes_and_completes(slurm, tmp_path, shards, signal):
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(tracking_uri).create_experiment(
@@ -193,8 +195,12 @@ def test_job_stopped_by_signal_requeues_resumes_and_completes(slurm, tmp_path, s
         # then seen at its first training step.
         wait_for(lambda: log.is_file() and "(restart 0)" in log.read_text(), 120,
                  "the job to start", log)
-        subprocess.run([tool("scancel"), "--batch", "--signal=USR1", job_id], env=env,
-                       check=True)
+        if signal == "USR1":  # to the batch shell, which asks the trainer to stop
+            subprocess.run([tool("scancel"), "--batch", "--signal=USR1", job_id], env=env,
+                           check=True)
+        else:  # to torchrun and its workers, once these catch it (the training has started)
+            wait_for(lambda: "epoch 0: phase" in log.read_text(), 300, "the training", log)
+            subprocess.run([tool("scancel"), "--signal=TERM", job_id], env=env, check=True)
         wait_for(lambda: job_field(slurm, job_id, "JobState") in ENDED, 300, "the job to end",
                  log)
     finally:
