@@ -5,9 +5,10 @@ A stop is requested two ways:
   SIGUSR1 shortly before the time limit (`--signal=B:USR1@120`), and `touch` does it by hand. A
   file because torchrun's agent does not forward SIGUSR1 to its workers (the signal kills it).
   Only rank 0 looks (ranks on other nodes may see a shared filesystem late);
-- SIGTERM to any rank: what SLURM sends at the time limit, on preemption or `scancel` (to every
-  process of the job), and Kubernetes or `docker stop` on eviction (to torchrun, whose agent
-  sends it on to every worker). Inside `stop_on_sigterm` the signal only sets a flag.
+- SIGTERM to any rank: what Kubernetes and `docker stop` send on eviction (to torchrun, whose
+  agent sends it on to every worker), and `scancel --signal=TERM JOB` to every process of a
+  job's steps. Inside `stop_on_sigterm` the signal only sets a flag. (At the time limit SLURM
+  SIGTERMs srun too, which SIGKILLs its tasks at once: there the SIGUSR1 file path does it.)
 
 Every step, every rank calls `stop_requested`: one all-reduce of what each rank saw, so all
 ranks stop after the same step. They checkpoint together, rank 0 replaces the request with
@@ -20,8 +21,8 @@ batch script. On SIGTERM: 143 (128 + SIGTERM, what the signal itself would give)
 `python -m trainer.main` in a Kubernetes Job is retried rather than counted as complete. torchrun
 itself, once SIGTERMed, waits for its workers (`--shutdown-timeout`, 30 s by default, then
 SIGKILL), logs the signal with a SignalException traceback and exits 1 whatever they returned:
-the step and its checkpoint must fit in that time and in SLURM's KillWait or Kubernetes'
-terminationGracePeriodSeconds (30 s by default each). Either way PREEMPTED, not the status,
+the step and its checkpoint must fit in that time and in Kubernetes'
+terminationGracePeriodSeconds (30 s by default too). Either way PREEMPTED, not the status,
 says the run stopped cleanly: the batch script requeues the job when it finds it, and the next
 attempt resumes from the checkpoint (`--resume latest`).
 """
@@ -59,7 +60,8 @@ class Preempted(Exception):
 @contextlib.contextmanager
 def stop_on_sigterm() -> Iterator[None]:
     """Inside the block SIGTERM asks for a stop after the current step (`stop_requested`)
-    instead of ending the process at once. Call it in the main thread."""
+    instead of ending the process at once; a rank hung in a collective (a dead peer under NCCL)
+    is then ended by torchrun's SIGKILL after `--shutdown-timeout`. Call it in the main thread."""
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
     try:
         yield
