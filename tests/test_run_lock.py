@@ -75,6 +75,20 @@ def test_a_reused_pid_does_not_keep_a_dead_holder_alive(tmp_path):
     lock.release()
 
 
+def test_a_killed_process_not_yet_reaped_counts_as_gone(tmp_path):
+    zombie = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(tmp_path, pid=zombie.pid, started=_start_time(zombie.pid))
+        os.kill(zombie.pid, signal.SIGKILL)
+        while Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            time.sleep(0.01)
+        lock = RunDirLock(tmp_path)
+        lock.acquire()
+        lock.release()
+    finally:
+        zombie.wait()
+
+
 def test_a_live_process_on_this_machine_keeps_its_lock(tmp_path):
     holder = subprocess.Popen(["sleep", "60"])
     try:

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, train_fn: TrainFn) -> int:
     cfg = Config.load(args.config, args.overrides)
     ctx = init_distributed(cfg.run.device)
     try:
-        with run_dir_locked(cfg.run.run_dir, ctx), stop_on_sigterm():
+        with stop_on_sigterm(), run_dir_locked(cfg.run.run_dir, ctx):
             summary = train_fn(cfg, ctx, args.resume)
     except Preempted as stop:  # a clean stop
         log.info("%s", stop)

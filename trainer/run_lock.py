@@ -86,11 +86,12 @@ def _machine() -> str:
 
 def _start_time(pid: int) -> str:
     """Field 22 of /proc/PID/stat (the start time in ticks since boot); '' when the process
-    does not run or there is no /proc."""
+    does not run (a zombie, killed but not yet reaped, included) or there is no /proc."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return ""
+    return "" if fields[0] == "Z" else fields[19]
 
 
 def _runs(holder: Holder) -> bool:
