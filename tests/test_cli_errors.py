@@ -106,6 +106,7 @@ def test_an_unreachable_tracking_server_is_one_line(tmp_path: Path, shards: Path
     lines = error_lines(failed)
     assert len(lines) == 1 and lines[0].startswith("trainer.main: error: ")
     assert "http://127.0.0.1:9" in lines[0], lines
+    assert not (tmp_path / "run" / "LOCK").exists()  # released on the way out
 
 
 def test_every_key_accepts_its_default_value() -> None:
