@@ -218,9 +218,10 @@ class RunDirLock:
             try:
                 holder = self._read()[0]
                 if holder != self.holder:
-                    log.error("run_dir %s: its lock file %s is no longer this run's (now: %s); "
+                    now = f"held by host {holder.host} pid {holder.pid}" if holder else "gone"
+                    log.error("run_dir %s: its lock file %s is no longer this run's (%s); "
                               "another run may be writing into the folder", self.run_dir,
-                              self.path, holder)
+                              self.path, now)
                     return
                 os.utime(self.path)
             except OSError as err:  # a filesystem hiccup: the next beat tries again
