@@ -6,6 +6,7 @@ run_dir the run cannot write fails at once, naming it."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -18,10 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
+from defrag.cli import describe
 from tests.test_cli_errors import error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
+from trainer.distributed import DistContext, end_process
 from trainer.run_lock import (
     LOCK,
     OWN_JOB_STALE_SECONDS,
@@ -29,7 +35,9 @@ from trainer.run_lock import (
     Holder,
     RunDirInUse,
     RunDirLock,
+    RunDirUnwritable,
     _start_time,
+    run_dir_locked,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,3 +252,41 @@ def test_a_restarted_rank_zero_takes_over_the_lock_of_the_one_killed(tmp_path, s
             in output), output[-4000:]
     assert "that process no longer runs" in output
     assert not (tmp_path / "run" / LOCK).exists()
+
+
+def test_a_lock_file_that_cannot_be_taken_fails_in_one_line(tmp_path):
+    """Any filesystem error while taking the lock (here LOCK is a folder) is one line naming it."""
+    (tmp_path / LOCK).mkdir()
+    with pytest.raises(RunDirUnwritable, match=re.escape(
+            f"run_dir {tmp_path}: cannot take its lock file {tmp_path / LOCK} ([Errno 21] Is a "
+            "directory")):
+        RunDirLock(tmp_path).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]  # its own file removed
+
+
+def refused_rank(rank: int, init_file: str, run_dir: str) -> None:
+    """One of two gloo ranks entering run_dir_locked: writes the error line it ended with."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"))
+    try:
+        with run_dir_locked(run_dir, ctx):
+            line = "entered"
+    except Exception as err:
+        line = describe(err)
+    Path(run_dir, f"rank{rank}.txt").write_text(line)
+    end_process(0)
+
+
+@pytest.mark.slow
+def test_every_rank_stops_with_rank_zeros_error_when_its_lock_fails(tmp_path):
+    """Rank 0's failure to take the lock, whatever its kind, reaches the other ranks at once
+    instead of leaving them waiting in the broadcast until the group's timeout."""
+    run_dir = tmp_path / "run"
+    (run_dir / LOCK).mkdir(parents=True)
+    started = time.monotonic()
+    mp.spawn(refused_rank, args=(str(tmp_path / "store"), str(run_dir)), nprocs=2)
+    lines = [(run_dir / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert lines[0].startswith(f"run_dir {run_dir}: cannot take its lock file"), lines
+    assert lines[1] == lines[0]
+    assert time.monotonic() - started < 20

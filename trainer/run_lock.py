@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from defrag.cli import describe
 from trainer.distributed import DistContext
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,11 @@ class RunDirLock:
             else:
                 raise RunDirInUse(f"run_dir {self.run_dir}: its lock file {self.path} keeps "
                                   "changing hands; another run is starting on it")
+        except OSError as err:  # e.g. LOCK a folder, or another user's in a sticky folder
+            raise RunDirUnwritable(
+                f"run_dir {self.run_dir}: cannot take its lock file {self.path} ({err}); if no "
+                "run uses the folder, remove the lock file as its owner, or set run.run_dir to "
+                "another folder") from err
         finally:
             mine.unlink(missing_ok=True)
         self._heartbeat = threading.Thread(target=self._beat, name="run-dir-lock", daemon=True)
@@ -231,19 +237,20 @@ class RunDirLock:
 @contextlib.contextmanager
 def run_dir_locked(run_dir: str | Path, ctx: DistContext) -> Iterator[None]:
     """Rank 0 holds the run_dir's lock for the block. Collective: every rank gets rank 0's
-    refusal as its own error, so a refused job stops at once on every rank."""
+    failure (a refusal or any error) as its own one line, so the job stops at once on every
+    rank."""
     lock = RunDirLock(run_dir) if ctx.is_main else None
-    error: RunDirInUse | RunDirUnwritable | None = None
+    error: Exception | None = None
     if lock is not None:
         try:
             lock.acquire()
-        except (RunDirInUse, RunDirUnwritable) as err:
+        except Exception as err:  # whatever it is, the broadcast tells the ranks waiting in it
             error = err
-    refusal = [str(error) if error else None]
+    refusal = [describe(error) if error else None]
     if ctx.world_size > 1:
         dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
-        raise error or RunDirInUse(refusal[0])
+        raise error or RuntimeError(refusal[0])
     try:
         yield
     finally:
