@@ -147,7 +147,12 @@ def is_remote(url: str) -> bool:
 
 def open_url(url: str, timeout: float) -> IO[bytes]:
     """A binary stream of `url`: a path, `pipe:CMD`, `http(s)://` or any other scheme
-    webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail."""
+    webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail. A URL with
+    a line break or NUL is refused: in curl's config (`_curl_config`) it would add settings."""
+    if re.search(r"[\r\n\0]", url):
+        raise ShardError(f"refusing the URL {redact(url)!r}: it holds a line break or a NUL "
+                         f"character, which no shard or manifest URL has; check where it came "
+                         f"from (a manifest's shard \"file\", data.shards, data.manifest)")
     if url.startswith(("http://", "https://")):
         seconds = str(max(1, round(timeout)))
         command = ["curl", "--fail", "--silent", "--show-error", "--location", "--netrc-optional",

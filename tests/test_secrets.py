@@ -31,6 +31,7 @@ from featurizer.synthetic import generate
 from tests.servers import basic_authorization, serve_folder
 from tests.test_train_e2e import ROOT, tiny_config
 from trainer.config import Config
+from trainer.shardset import locate_split
 from trainer.tracking import ERROR_TAG, Tracker
 
 USER, PASSWORD = "reader", "pw-7f3a9c"
@@ -237,6 +238,38 @@ def test_a_vocabulary_reused_from_a_url_leaves_its_password_out_of_the_manifest(
     assert redact(url) in manifest
     assert [path for path in (tmp_path / "out").rglob("*")
             if path.is_file() and PASSWORD.encode() in path.read_bytes()] == []
+
+
+@pytest.mark.parametrize("mark", ["\n", "\r", "\0"])
+def test_a_url_with_a_line_break_or_nul_is_refused_before_curl_reads_what_it_injects(
+        mark: str, home: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("local file contents")
+    url = f"http://{USER}:{PASSWORD}@127.0.0.1:9/x{mark}url = file://{secret}"
+    got = b""
+    with pytest.raises(ShardError) as failure, open_url(url, timeout=10) as stream:
+        got = stream.read()
+    assert b"local file" not in got
+    assert str(failure.value) == (
+        f"refusing the URL {redact(url)!r}: it holds a line break or a NUL character, which no "
+        f"shard or manifest URL has; check where it came from (a manifest's shard \"file\", "
+        f"data.shards, data.manifest)")
+
+
+def test_a_manifest_whose_shard_file_is_not_a_shard_name_is_refused_in_one_line(
+        shards: Path, tmp_path: Path) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    bad = f"train/x\nurl = file://{tmp_path / 'secret'}\noutput = {tmp_path / 'written'}"
+    manifest["splits"]["train"]["shards"][1]["file"] = bad
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with serve_folder(tmp_path) as server, pytest.raises(ShardError) as failure:
+        locate_split(server.url, "train", timeout=10, retries=0)
+    where = f"{server.url}/manifest.json"
+    assert str(failure.value) == (
+        f"the manifest {where} lists shard {bad!r} (split 'train', entry 1), not a "
+        f"<split>/shard-NNNNNN.tar name: re-run the featurizer command of the manifest "
+        f"(created_by) with the same --out, or fetch the set from a source you trust")
+    assert not (tmp_path / "written").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,22 @@ def read_manifest(url: str, timeout: float = 60.0, retries: int = 3) -> dict[str
         raise ShardError(f"{redact(url)}: shard format {found!r}, this code reads formats "
                          f"{' and '.join(map(str, READABLE_FORMATS))}; re-run this code's "
                          f"featurizer (the manifest's created_by command) to rewrite the set")
+    _check_shard_names(manifest, url)
     return manifest
+
+
+def _check_shard_names(manifest: dict[str, Any], url: str) -> None:
+    """Raise a one-line ShardError for a shard "file" that is not a `<split>/shard-NNNNNN.tar`
+    name: shard URLs are built from them, and a remote manifest is not to be trusted."""
+    for split, entry in manifest.get("splits", {}).items():
+        for number, shard in enumerate(entry.get("shards", [])):
+            name = shard.get("file") if isinstance(shard, dict) else shard
+            if not (isinstance(name, str) and SHARD_NAME.fullmatch(name)):
+                raise ShardError(
+                    f"the manifest {redact(url)} lists shard {redact(name)!r} (split {split!r}, "
+                    f"entry {number}), not a <split>/shard-NNNNNN.tar name: re-run the "
+                    f"featurizer command of the manifest (created_by) with the same --out, or "
+                    f"fetch the set from a source you trust")
 
 
 def locate_split(spec: str | None, split: str, manifest: str | None = None,
