@@ -162,8 +162,8 @@ def test_keys_that_order_an_epoch_are_fixed_only_mid_epoch(tmp_path: Path) -> No
     Config().to_json(folder / "config.json")
     changed = Config.from_dict({"data": {"workers": 4}, "seed": 7, "optim": {"lr": 0.5}})
     with pytest.raises(ConfigError, match=r"data\.workers: 2 -> 4, seed: 0 -> 7;"):
-        resume_changes(folder, TrainState(epoch=1, step_in_epoch=3), changed)
-    assert resume_changes(folder, TrainState(epoch=1), changed) == [
+        resume_changes(folder, TrainState(epoch=1, step_in_epoch=3), changed, world_size=1)
+    assert resume_changes(folder, TrainState(epoch=1), changed, world_size=1) == [
         "data.workers: 2 -> 4", "optim.lr: 0.01 -> 0.5", "seed: 0 -> 7"]
 
 
@@ -176,7 +176,7 @@ def test_a_checkpoint_without_its_config_resumes_with_a_warning(
     """Written by an earlier version: nothing to compare with, said once."""
     folder = tmp_path / "step-00000003"
     folder.mkdir()
-    assert resume_changes(folder, TrainState(), Config()) == []
+    assert resume_changes(folder, TrainState(), Config(), world_size=1) == []
     assert [r.getMessage() for r in caplog.records] == [
         f"checkpoint {folder} has no config.json (written by an earlier version): resuming "
         "without comparing its config with this one"]

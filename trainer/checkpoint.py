@@ -37,6 +37,9 @@ from trainer.tracking import flatten
 
 TMP_PREFIX = "tmp-"
 CONFIG = "config.json"  # the config a checkpoint was trained with
+# DeepSpeed's ZeRO files, one per rank: DeepSpeed 0.19 loads them only on the world size that
+# wrote them (ZeRORuntimeException otherwise, unless converted to a universal checkpoint)
+ZERO_PARTITIONS = "*zero_pp_rank_*"
 log = logging.getLogger(__name__)
 
 
@@ -55,6 +58,7 @@ class TrainState:
     best_epoch: int = -1
     finetunes_cnn: bool = False  # the phase of the engine that saved the checkpoint
     mlflow_run_id: str | None = None
+    world_size: int | None = None  # the ranks that saved it (None: saved by an earlier version)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -75,6 +79,7 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
         engine.save(tmp, rank)
     _barrier()
     final = root / name
+    state.world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         with _failure_named(tmp):
             (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
@@ -131,22 +136,28 @@ def load_state(folder: Path) -> TrainState:
     return TrainState(**state)
 
 
-def resume_changes(folder: Path, state: TrainState, config: Config) -> list[str]:
+def resume_changes(folder: Path, state: TrainState, config: Config,
+                   world_size: int) -> list[str]:
     """Each key `config` changes from the config `folder` was trained with, as `key: old -> new`,
     once none of them changes what the checkpoint means (RESUME_FIXED; mid-epoch also
-    RESUME_FIXED_MID_EPOCH); else ConfigError listing those. A key the checkpoint predates
-    counts as its default."""
+    RESUME_FIXED_MID_EPOCH and the world size, as do DeepSpeed's ZeRO partitions); else
+    ConfigError listing those. A key the checkpoint predates counts as its default."""
+    refused = []
+    if state.world_size not in (None, world_size) and (
+            state.step_in_epoch or any(folder.glob(ZERO_PARTITIONS))):
+        refused.append(f"world size: {state.world_size} -> {world_size}")
     path = folder / CONFIG
-    if not path.is_file():
+    changed = {}
+    if path.is_file():
+        old = {**flatten(_as_saved(Config())), **flatten(json.loads(path.read_text()))}
+        new = flatten(_as_saved(config))
+        changed = {key: f"{key}: {old[key]} -> {new[key]}"
+                   for key in sorted(new) if old[key] != new[key]}
+    else:
         log.warning("checkpoint %s has no %s (written by an earlier version): resuming without "
                     "comparing its config with this one", folder, CONFIG)
-        return []
-    old = {**flatten(_as_saved(Config())), **flatten(json.loads(path.read_text()))}
-    new = flatten(_as_saved(config))
-    changed = {key: f"{key}: {old[key]} -> {new[key]}"
-               for key in sorted(new) if old[key] != new[key]}
     fixed = RESUME_FIXED | (RESUME_FIXED_MID_EPOCH if state.step_in_epoch else frozenset())
-    refused = [line for key, line in changed.items() if key in fixed]
+    refused = [line for key, line in changed.items() if key in fixed] + refused
     if refused:
         raise ConfigError(f"cannot resume {folder} with this config: {', '.join(refused)}; the "
                           "checkpoint was trained with the old values (trainer/config.py "

@@ -298,7 +298,8 @@ RESUME_FIXED = frozenset({
     "run.global_negatives",
     # the optimizer's saved state, and the step counters (a step is batch_size pairs)
     "optim.optimizer", "optim.batch_size",
-    # the checkpoint's files are in the engine's format (DeepSpeed's partitions: its ZeRO config)
+    # the checkpoint's files are in the engine's format (DeepSpeed's partitions: its ZeRO config;
+    # they load only on the world size that wrote them, which the checkpoint's state keeps)
     "run.engine", "run.deepspeed_config",
     # the data: the pairs the epochs and steps count, the val split the best val figure is
     # measured on, the vocabulary W_e's rows stand for, how images become fragments
@@ -309,8 +310,10 @@ RESUME_FIXED = frozenset({
     "caption.context", "caption.forward_tags",
 })
 # ... and for a checkpoint taken mid-epoch, the keys that order the epoch's pairs: the resume
-# skips the steps done in that order (trainer/train_loader.py)
-RESUME_FIXED_MID_EPOCH = frozenset({"seed", "data.seed", "data.workers", "data.shuffle_buffer"})
+# skips the steps done in that order (trainer/train_loader.py), as does the world size (the
+# ranks the shards are dealt to), which the checkpoint's state keeps, not its config
+RESUME_FIXED_MID_EPOCH = frozenset({"seed", "data.seed", "data.workers", "data.shuffle_buffer",
+                                    "data.max_image_pixels"})
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -88,7 +88,8 @@ def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
     checkpoint = find_checkpoint(resume, run_dir)
     state = load_state(checkpoint) if checkpoint else TrainState()
     # refused before the MLflow run is touched: a refused resume leaves it as it was
-    changes = ", ".join(resume_changes(checkpoint, state, cfg)) if checkpoint else ""
+    changes = (", ".join(resume_changes(checkpoint, state, cfg, ctx.world_size)) if checkpoint
+               else "")
     tracker = Tracker.start(cfg, run_dir, ctx.rank, experiment=experiment,
                             resume_run_id=state.mlflow_run_id)
     with tracker:  # any exception ends the run FAILED, the error as its tag
