@@ -164,6 +164,19 @@ def test_bad_rows_are_named(store: Store, tracking: None, rows: list[dict],
         model.predict(pd.DataFrame(rows))
 
 
+def test_a_row_failing_otherwise_gets_one_generic_line_naming_it(
+        store: Store, tracking: None, caplog: pytest.LogCaptureFixture) -> None:
+    """An error that is not the client's to read (here spaCy's, for a text over its length
+    limit) is logged on the server; the client gets one line naming the row."""
+    model = mlflow.pyfunc.load_model("models:/defrag@champion")
+    rows = [{"image": base64_of(store.images[0])}, {"sentence": "a dog " * 200_000}]
+    with pytest.raises(MlflowException) as failure:
+        model.predict(pd.DataFrame(rows))
+    assert failure.value.message == ("row-1: the sentence cannot be embedded (the server's log "
+                                     "says why)")
+    assert "E088" in caplog.text
+
+
 @pytest.mark.slow
 def test_nothing_is_unpickled_and_no_pickle_is_logged(store: Store) -> None:
     """In a fresh process whose pickle, cloudpickle and torch.load raise: load the logged MLflow

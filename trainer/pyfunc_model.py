@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
+import re
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,9 @@ from trainer.registry import (
     verify_model_folder,
 )
 from trainer.served_indexes import ServedIndexes
+
+log = logging.getLogger(__name__)
+FAILED = {"image": "the image cannot be read", "sentence": "the sentence cannot be embedded"}
 
 
 class DeFragPyfunc(PythonModel):
@@ -83,8 +90,8 @@ class DeFragPyfunc(PythonModel):
             raise MlflowException.invalid_parameter_value(f"k is {k}: ask for 1 or more results")
         rows = [_query(number, row) for number, row in enumerate(model_input.to_dict("records"))]
         with self.lock, tempfile.TemporaryDirectory() as tmp:
-            images = _image_files(rows, Path(tmp))
             try:
+                images = _image_files(rows, Path(tmp))
                 if params.get("index"):
                     return self._search(rows, images, str(params["index"]), k)
                 return self._embed(rows, images)
@@ -99,11 +106,13 @@ class DeFragPyfunc(PythonModel):
         found: dict[int, tuple[FragmentSet, int, bool]] = {}  # row -> its embedded set, item
         sentences = [number for number, (kind, _) in enumerate(rows) if kind == "sentence"]
         if sentences:
-            embedded = embed_sentences([rows[n][1] for n in sentences], self.embedder)
+            with _naming_rows(sentences, "sentence"):
+                embedded = embed_sentences([rows[n][1] for n in sentences], self.embedder)
             found |= {n: (embedded, item, False) for item, n in enumerate(sentences)}
         if images:
-            embedded, _ = embed_images(list(images.values()), self.embedder, skip_bad=False,
-                                       progress=False)
+            with _naming_rows(list(images), "image"):
+                embedded, _ = embed_images(list(images.values()), self.embedder, skip_bad=False,
+                                           progress=False)
             found |= {n: (embedded, item, True) for item, n in enumerate(images)}
         return pd.DataFrame([_vectors(*found[number]) for number in range(len(rows))])
 
@@ -111,12 +120,29 @@ class DeFragPyfunc(PythonModel):
                 k: int) -> pd.DataFrame:
         """Each row's k best hits in the index: images for a sentence, sentences for an image."""
         opened = self.indexes.open(index)
-        hits = [opened.images_for(value, k) if kind == "sentence"
-                else opened.sentences_for_file(images[number], k)
-                for number, (kind, value) in enumerate(rows)]
+        hits = []
+        for number, (kind, value) in enumerate(rows):
+            with _naming_rows([number], kind):
+                hits.append(opened.images_for(value, k) if kind == "sentence"
+                            else opened.sentences_for_file(images[number], k))
         return pd.DataFrame({"hits": [[{"item": hit.item, "score": hit.score,
                                         "position": hit.position} for hit in found]
                                       for found in hits]})
+
+
+@contextmanager
+def _naming_rows(numbers: list[int], kind: str) -> Iterator[None]:
+    """Any error but the client's own (RetrievalError, ...) of embedding rows `numbers` logged
+    here and answered in one line naming the rows: its text may hold the server's temp paths."""
+    try:
+        yield
+    except (RetrievalError, ParserUnavailable, MlflowException):
+        raise
+    except Exception as err:
+        log.exception("embedding %s rows %s failed", kind, numbers)
+        named = {int(n) for n in re.findall(r"\brow-(\d+)\b", str(err))} & set(numbers)
+        rows = ", ".join(f"row-{n}" for n in sorted(named or numbers))
+        raise MlflowException(f"{rows}: {FAILED[kind]} (the server's log says why)") from None
 
 
 def _query(number: int, row: dict[str, Any]) -> tuple[str, Any]:
@@ -143,7 +169,8 @@ def _image_files(rows: list[tuple[str, Any]], folder: Path) -> dict[int, Path]:
     for number, (kind, value) in enumerate(rows):
         if kind == "image":
             files[number] = folder / f"row-{number}"
-            files[number].write_bytes(value)
+            with _naming_rows([number], "image"):
+                files[number].write_bytes(value)
     return files
 
 
