@@ -28,6 +28,7 @@ from defrag.cli import describe
 from tests.test_cli_errors import error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
 from trainer.distributed import DistContext, end_process
+from trainer.preemption import SIGTERM, acknowledge, stop_on_sigterm, stop_requested
 from trainer.run_lock import (
     LOCK,
     OWN_JOB_STALE_SECONDS,
@@ -41,6 +42,7 @@ from trainer.run_lock import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 IN_USE = (r"run_dir {} is in use by host \S+ pid {} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC "
           r"\(its lock file {}, refreshed \d+ s ago\); wait for it or use another run.run_dir")
 
@@ -290,3 +292,46 @@ def test_every_rank_stops_with_rank_zeros_error_when_its_lock_fails(tmp_path):
     assert lines[0].startswith(f"run_dir {run_dir}: cannot take its lock file"), lines
     assert lines[1] == lines[0]
     assert time.monotonic() - started < 20
+
+
+def test_a_takeover_gives_back_a_live_lock_taken_over_meanwhile(tmp_path):
+    """Between our look at a dead holder's lock and our rename of it, another run takes it over
+    and links its own lock, whose inode may be the freed one (ext4 reuses them: here the file is
+    rewritten in place, same inode). We rename that live lock away, must see by its token that
+    it is not the one judged, put it back and refuse."""
+    path = write_lock(tmp_path, heartbeat_age=STALE_SECONDS + 30, host="node-7",
+                      machine="another-node", pid=4242)
+    lock = RunDirLock(tmp_path)
+    judge = lock._gone
+
+    def others_takeover_meanwhile(holder: Holder, age: float) -> str | None:
+        why = judge(holder, age)
+        write_lock(tmp_path, host="node-8", machine="yet-another-node", pid=4343)
+        return why
+
+    lock._gone = others_takeover_meanwhile
+    with pytest.raises(RunDirInUse, match=IN_USE.format(tmp_path, 4343, path)):
+        lock.acquire()
+    assert json.loads(path.read_text())["host"] == "node-8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
+
+
+def test_a_run_whose_lock_was_taken_stops_after_its_step(tmp_path, caplog):
+    """The heartbeat finding another run's lock asks for the same stop as SIGTERM: a checkpoint,
+    then the run ends, the line saying why."""
+    lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
+    with stop_on_sigterm(), caplog.at_level(logging.ERROR, logger="trainer.run_lock"):
+        lock.acquire()
+        assert stop_requested(tmp_path, CPU) is None
+        write_lock(tmp_path, host="node-7", machine="another-node", pid=4242)
+        deadline = time.monotonic() + 5
+        while stop_requested(tmp_path, CPU) is None:
+            assert time.monotonic() < deadline, "the run goes on without its lock"
+            time.sleep(0.05)
+        stop = acknowledge(tmp_path, CPU, 3, SIGTERM)
+        lock.release()
+    assert str(stop).startswith(f"stopped because run_dir {tmp_path}: its lock file "
+                                f"{tmp_path / LOCK} is no longer this run's (held by host node-7 "
+                                "pid 4242)"), stop
+    assert "stopping after this step with a checkpoint" in caplog.text
+    assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"

@@ -9,6 +9,8 @@ A stop is requested two ways:
   agent sends it on to every worker), and `scancel --signal=TERM JOB` to every process of a
   job's steps. Inside `stop_on_sigterm` the signal only sets a flag. (At the time limit SLURM
   SIGTERMs srun too, which SIGKILLs its tasks at once: there the SIGUSR1 file path does it.)
+  The run_dir lock's heartbeat, on finding the lock another run's, sets the same flag
+  (`request_stop`, trainer/run_lock.py).
 
 Every step, every rank calls `stop_requested`: one all-reduce of what each rank saw, so all
 ranks stop after the same step. They checkpoint together, rank 0 replaces the request with
@@ -46,6 +48,7 @@ SIGTERM = "SIGTERM"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 _REASONS = {1: REQUEST, 2: SIGTERM}  # combined across ranks by their maximum
 _sigterm = threading.Event()
+_why: list[str] = []  # why, other than SIGTERM, `_sigterm` was set (request_stop)
 
 
 class Preempted(Exception):
@@ -68,6 +71,14 @@ def stop_on_sigterm() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         _sigterm.clear()
+        _why.clear()
+
+
+def request_stop(why: str) -> None:
+    """From any thread, the stop SIGTERM asks for, `why` in its message: the run_dir lock's
+    heartbeat when another run has taken the lock."""
+    _why.append(why)
+    _sigterm.set()
 
 
 def stop_requested(run_dir: str | Path, ctx: DistContext) -> str | None:
@@ -87,6 +98,8 @@ def acknowledge(run_dir: str | Path, ctx: DistContext, step: int, reason: str) -
     if ctx.is_main:
         (Path(run_dir) / DONE).write_text(f"{step}\n")
         (Path(run_dir) / REQUEST).unlink(missing_ok=True)
-    what = "on SIGTERM" if reason == SIGTERM else f"on request ({REQUEST} file)"
+    what = f"on request ({REQUEST} file)"
+    if reason == SIGTERM:
+        what = f"because {_why[0]}," if _why else "on SIGTERM"
     return Preempted(f"stopped {what} with a checkpoint at step {step}; run again (--resume "
                      "latest) to continue", SIGTERM_EXIT if reason == SIGTERM else 0)

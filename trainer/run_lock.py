@@ -16,9 +16,10 @@ A lock whose holder is gone is taken over, with a warning:
 - or it belongs to this same job (torchrun's run id: launch/slurm/train.sbatch passes the SLURM
   job id) and its heartbeat has stopped (OWN_JOB_STALE_SECONDS): a torchrun restart or a requeue
   whose previous rank 0 died holding it, perhaps on another node.
-A takeover renames the judged file away and checks that it moved that very file, so two runs
-taking over together cannot both win. A run suspended (SIGSTOP) for longer than STALE_SECONDS
-loses its lock to a run on another node; its heartbeat then logs an error.
+A takeover renames the judged file away and checks by its token that it moved that very file
+(not a lock another run took over meanwhile, which it puts back), so two runs taking over
+together cannot both win. A run suspended (SIGSTOP) for longer than STALE_SECONDS loses its lock
+to a run on another node; its heartbeat then stops it after the step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from defrag.cli import describe
 from trainer.distributed import DistContext
+from trainer.preemption import request_stop
 
 log = logging.getLogger(__name__)
 
@@ -167,25 +169,25 @@ class RunDirLock:
                                    "filesystem with hard links there") from err
         return True
 
-    def _read(self) -> tuple[Holder | None, int, float]:
-        """LOCK's holder (None when there is no LOCK), inode and heartbeat age in seconds. A
-        file that is not a holder's JSON (made by hand) counts as an unknown holder."""
+    def _read(self, path: Path | None = None) -> tuple[Holder | None, float]:
+        """The holder of LOCK (or of `path`; None when there is no such file) and its heartbeat
+        age in seconds. A file that is not a holder's JSON (made by hand): an unknown holder."""
         try:
-            with self.path.open() as file:
+            with (path or self.path).open() as file:
                 stat = os.fstat(file.fileno())
                 text = file.read()
         except FileNotFoundError:
-            return None, 0, 0.0
+            return None, 0.0
         try:
             holder = Holder(**json.loads(text))
         except (ValueError, TypeError):
             since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stat.st_mtime))
             holder = Holder("unknown", 0, since, "", "", "", "")
-        return holder, stat.st_ino, time.time() - stat.st_mtime
+        return holder, time.time() - stat.st_mtime
 
     def _remove_if_stale(self) -> None:
         """Remove LOCK if its holder is gone (logged); RunDirInUse if it still runs."""
-        holder, inode, age = self._read()
+        holder, age = self._read()
         if holder is None:  # released meanwhile
             return
         gone = self._gone(holder, age)
@@ -199,8 +201,8 @@ class RunDirLock:
             os.rename(self.path, moved)
         except FileNotFoundError:  # another run took it over first
             return
-        if moved.stat().st_ino != inode:  # a new holder's lock, taken in between: give it back
-            with contextlib.suppress(FileExistsError):
+        if self._read(moved)[0] != holder:  # its token says: another run's lock, taken over
+            with contextlib.suppress(FileExistsError):  # in between: give it back
                 os.link(moved, self.path)
         else:
             log.warning("run_dir %s: taking over the lock of host %s pid %s (since %s): %s",
@@ -219,15 +221,18 @@ class RunDirLock:
         return None
 
     def _beat(self) -> None:
-        """Refresh LOCK's mtime until released; stop, saying so, if it is no longer ours."""
+        """Refresh LOCK's mtime until released. If it is no longer ours, the run stops after its
+        step with a checkpoint (as on SIGTERM), saying why: another run may be writing there."""
         while not self._stop.wait(self.heartbeat_seconds):
             try:
                 holder = self._read()[0]
                 if holder != self.holder:
                     now = f"held by host {holder.host} pid {holder.pid}" if holder else "gone"
-                    log.error("run_dir %s: its lock file %s is no longer this run's (%s); "
-                              "another run may be writing into the folder", self.run_dir,
-                              self.path, now)
+                    why = f"run_dir {self.run_dir}: its lock file {self.path} is no longer this " \
+                          f"run's ({now})"
+                    log.error("%s; another run may be writing into the folder: stopping after "
+                              "this step with a checkpoint", why)
+                    request_stop(why)
                     return
                 os.utime(self.path)
             except OSError as err:  # a filesystem hiccup: the next beat tries again
