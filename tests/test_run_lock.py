@@ -335,3 +335,23 @@ def test_a_run_whose_lock_was_taken_stops_after_its_step(tmp_path, caplog):
                                 "pid 4242)"), stop
     assert "stopping after this step with a checkpoint" in caplog.text
     assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"
+
+
+def test_heartbeats_are_timed_by_the_filesystems_clock(tmp_path, monkeypatch):
+    """On NFS a lock's mtime is the server's time: a local clock an hour ahead must not make a
+    fresh lock look dead, nor one an hour behind a dead one alive. (Only the local clock can be
+    moved in a test, so this checks that the age is measured against the filesystem's.)"""
+    real = time.time
+    path = write_lock(tmp_path, host="node-7", machine="another-node", pid=4242)
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    with pytest.raises(RunDirInUse, match=IN_USE.format(tmp_path, 4242, path)):
+        RunDirLock(tmp_path).acquire()
+    monkeypatch.undo()
+    write_lock(tmp_path, heartbeat_age=STALE_SECONDS + 30, host="node-7",
+               machine="another-node", pid=4242)
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    monkeypatch.undo()
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

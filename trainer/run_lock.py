@@ -12,7 +12,8 @@ A lock whose holder is gone is taken over, with a warning:
 - its holder ran on this machine (host, boot and pid namespace) and that process (pid and start
   time, so a reused pid does not count) no longer runs;
 - or it ran elsewhere (nodes sharing the filesystem) and its heartbeat, the file's mtime that the
-  holder refreshes every HEARTBEAT_SECONDS, is older than STALE_SECONDS;
+  holder refreshes every HEARTBEAT_SECONDS, is older than STALE_SECONDS (timed by the
+  filesystem's clock, a file of this run's touched there, not by the nodes' clocks);
 - or it belongs to this same job (torchrun's run id: launch/slurm/train.sbatch passes the SLURM
   job id) and its heartbeat has stopped (OWN_JOB_STALE_SECONDS): a torchrun restart or a requeue
   whose previous rank 0 died holding it, perhaps on another node.
@@ -136,7 +137,7 @@ class RunDirLock:
             for _ in range(5):  # LOCK released or taken over between two looks: look again
                 if self._link(mine):
                     break
-                self._remove_if_stale()
+                self._remove_if_stale(mine)
             else:
                 raise RunDirInUse(f"run_dir {self.run_dir}: its lock file {self.path} keeps "
                                   "changing hands; another run is starting on it")
@@ -171,7 +172,7 @@ class RunDirLock:
 
     def _read(self, path: Path | None = None) -> tuple[Holder | None, float]:
         """The holder of LOCK (or of `path`; None when there is no such file) and its heartbeat
-        age in seconds. A file that is not a holder's JSON (made by hand): an unknown holder."""
+        (mtime). A file that is not a holder's JSON (made by hand): an unknown holder."""
         try:
             with (path or self.path).open() as file:
                 stat = os.fstat(file.fileno())
@@ -183,13 +184,16 @@ class RunDirLock:
         except (ValueError, TypeError):
             since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stat.st_mtime))
             holder = Holder("unknown", 0, since, "", "", "", "")
-        return holder, time.time() - stat.st_mtime
+        return holder, stat.st_mtime
 
-    def _remove_if_stale(self) -> None:
-        """Remove LOCK if its holder is gone (logged); RunDirInUse if it still runs."""
-        holder, age = self._read()
+    def _remove_if_stale(self, mine: Path) -> None:
+        """Remove LOCK if its holder is gone (logged); RunDirInUse if it still runs. The
+        heartbeat's age is timed by `mine` touched now: the filesystem's clock, as LOCK's mtime."""
+        holder, beat = self._read()
         if holder is None:  # released meanwhile
             return
+        os.utime(mine)  # on NFS the server's time, which other nodes' clocks may differ from
+        age = mine.stat().st_mtime - beat
         gone = self._gone(holder, age)
         if gone is None:
             raise RunDirInUse(
