@@ -30,6 +30,7 @@ from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+from tests.test_images import png_header
 from trainer.caption_data import Caption
 from trainer.captioner import CaptionerParts, save_captioner
 from trainer.config import Config, DataConfig, ModelConfig
@@ -291,6 +292,29 @@ def test_params_search_an_index(store: Store, index: Path, tracking: None) -> No
         "score"]
     with pytest.raises(MlflowException, match="k is 0: ask for 1 or more results"):
         model.predict(pd.DataFrame({"sentence": ["a red circle"]}), params={**params, "k": 0})
+
+
+def test_the_pixel_bound_refuses_images_from_their_header_and_is_configurable(
+        store: Store, index: Path, tracking: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    huge = base64.b64encode(png_header(7000, 7000)).decode()  # 49 Mpx, but a few bytes
+    small = base64_of(store.images[0])  # 64 x 64
+    photos = {"indexes": {"photos": str(index)}}
+    bounds = [(photos, huge, "7000 x 7000 pixels (49 megapixels), over the limit of 40000000 "
+                             "(40 megapixels)"),
+              ({**photos, "max_image_pixels": 4000}, small,
+               "64 x 64 pixels (0.0041 megapixels), over the limit of 4000 (0.004 megapixels)")]
+    for config, image, refusal in bounds:
+        model = mlflow.pyfunc.load_model("models:/defrag@champion", model_config=config)
+        for params in (None, {"index": "photos"}):
+            with pytest.raises(MlflowException) as failure:
+                model.predict(pd.DataFrame({"image": [image]}), params=params)
+            assert failure.value.message == (
+                f"unusable image: row-0 is {refusal}: scale it down, or raise the limit "
+                f"(max_image_pixels)")
+    monkeypatch.setenv("DEFRAG_MAX_IMAGE_PIXELS", "4000")  # the environment wins
+    model = mlflow.pyfunc.load_model("models:/defrag@champion", model_config=photos)
+    with pytest.raises(MlflowException, match="over the limit of 4000 "):
+        model.predict(pd.DataFrame({"image": [small]}))
 
 
 def test_an_index_of_another_model_is_refused(store: Store, index: Path, tracking: None,

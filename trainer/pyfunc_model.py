@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import logging
 import os
 import re
@@ -74,7 +75,8 @@ class DeFragPyfunc(PythonModel):
             verify_model_folder(self.folder)
             self.unsupported = ("a captioner", "python -m trainer.caption")
         else:
-            self.embedder = load_embedder(self.folder, None, None, None)
+            self.embedder = dataclasses.replace(load_embedder(self.folder, None, None, None),
+                                                max_image_pixels=self.indexes.max_pixels)
 
     def predict(self, context: PythonModelContext, model_input: pd.DataFrame,
                 params: dict[str, Any] | None = None) -> pd.DataFrame:

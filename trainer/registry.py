@@ -48,6 +48,7 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
 from defrag.cli import add_debug_flag, one_line_errors
+from defrag.images import MAX_IMAGE_PIXELS
 from trainer.config import Config, ModelConfig
 from trainer.files import CHECKSUMS, verify_checksums, write_checksums
 from trainer.tracking import RegistrationFailed, Tracker, connect, experiment_id
@@ -80,7 +81,8 @@ PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifact
 PACKAGE = "defrag-trainer"  # this code's distribution: the pyfunc's pip requirement
 PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")  # the pyfunc's code (models from code)
 DEFAULT_K = 10  # results of a pyfunc search without params k
-PYFUNC_CONFIG = {"index_root": "", "indexes": {}, "cached_indexes": 2}  # the model_config keys
+PYFUNC_CONFIG = {"index_root": "", "indexes": {}, "cached_indexes": 2,  # the model_config keys
+                 "max_image_pixels": MAX_IMAGE_PIXELS}
 # its operator may set at load or serve time (MLflow takes no others): trainer/served_indexes.py
 SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
     inputs=Schema([ColSpec("string", "sentence", required=False),

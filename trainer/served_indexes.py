@@ -15,7 +15,9 @@ MLFLOW_PYFUNC_INFERENCE_CONFIG) or, at serve time, the environment, which wins:
 - `indexes` / DEFRAG_INDEXES: names for index folders anywhere ({"photos": "/data/idx"}, or
   `photos=/data/idx:faces=/data/faces-idx`, entries separated by os.pathsep);
 - `cached_indexes` / DEFRAG_CACHED_INDEXES: how many indexes stay open (default 2; each holds
-  its own copy of the model).
+  its own copy of the model);
+- `max_image_pixels` / DEFRAG_MAX_IMAGE_PIXELS: larger image rows are refused from their header,
+  before decoding (default 40,000,000), whether embedded or searched with.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from defrag.images import MAX_IMAGE_PIXELS
 from trainer.embedder import RetrievalError
 from trainer.index import SearchIndex
 from trainer.registry import PYFUNC_CONFIG
@@ -34,15 +37,17 @@ from trainer.registry import PYFUNC_CONFIG
 log = logging.getLogger(__name__)
 
 SETTINGS = {"index_root": "DEFRAG_INDEX_ROOT", "indexes": "DEFRAG_INDEXES",
-            "cached_indexes": "DEFRAG_CACHED_INDEXES"}  # model_config key: environment variable
+            "cached_indexes": "DEFRAG_CACHED_INDEXES",
+            "max_image_pixels": "DEFRAG_MAX_IMAGE_PIXELS"}  # model_config key: environment variable
 
 
 class ServedIndexes:
     """The indexes a server may open (see the module doc), and those it holds open."""
 
     def __init__(self, names: dict[str, str], root: str | None, cached: int,
-                 model: Path) -> None:
+                 model: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
         self.names, self.model, self.cached = names, model, cached
+        self.max_pixels = max_pixels  # the pixel bound of image rows
         self.root = Path(os.path.realpath(root)) if root else None
         self.cache: OrderedDict[Path, SearchIndex] = OrderedDict()  # least recently used first
 
@@ -69,7 +74,11 @@ class ServedIndexes:
         if not str(cached).isdigit() or int(cached) < 1:
             raise ValueError(f"cached_indexes ({SETTINGS['cached_indexes']}) is {cached!r}: "
                              "give a whole number of indexes, 1 or more")
-        return cls(names, str(root) if root else None, int(cached), model)
+        pixels = environ.get(SETTINGS["max_image_pixels"]) or config["max_image_pixels"]
+        if not str(pixels).isdigit() or int(pixels) < 1:
+            raise ValueError(f"max_image_pixels ({SETTINGS['max_image_pixels']}) is {pixels!r}: "
+                             "give a whole number of pixels, 1 or more")
+        return cls(names, str(root) if root else None, int(cached), model, int(pixels))
 
     def offer(self) -> str:
         """What this server searches, in words a client can act on (no folder named)."""
@@ -100,7 +109,7 @@ class ServedIndexes:
                         "index root %s", asked, self.root)
             raise refused
         try:
-            opened = SearchIndex.open(folder, model=self.model)
+            opened = SearchIndex.open(folder, model=self.model, max_image_pixels=self.max_pixels)
         except Exception as err:  # whatever it is, the client learns nothing of the disk
             log.warning("refused params index %r (%s): %s", asked, folder, err)
             raise refused from err
