@@ -355,3 +355,24 @@ def test_heartbeats_are_timed_by_the_filesystems_clock(tmp_path, monkeypatch):
     monkeypatch.undo()
     lock.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_lock_moved_away_and_back_by_a_takeover_attempt_does_not_stop_the_run(tmp_path):
+    """A run judging our lock renames it away and, finding it live, puts it back: a heartbeat
+    that falls in between looks again before stopping; a lock that stays gone stops the run."""
+    lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
+    path, moved = tmp_path / LOCK, tmp_path / "LOCK.stale.other"
+    with stop_on_sigterm():
+        lock.acquire()
+        os.rename(path, moved)
+        time.sleep(0.2)
+        os.link(moved, path)
+        moved.unlink()
+        time.sleep(1.5)
+        assert stop_requested(tmp_path, CPU) is None
+        path.unlink()
+        deadline = time.monotonic() + 5
+        while stop_requested(tmp_path, CPU) is None:
+            assert time.monotonic() < deadline, "the run goes on without its lock"
+            time.sleep(0.05)
+        lock.release()

@@ -49,6 +49,7 @@ LOCK = "LOCK"
 HEARTBEAT_SECONDS = 20.0
 STALE_SECONDS = 300.0  # a heartbeat this old means its holder on another node is gone
 OWN_JOB_STALE_SECONDS = 3 * HEARTBEAT_SECONDS
+LOOK_AGAIN_SECONDS = 1.0  # a missing LOCK, maybe moved away and back by a takeover attempt
 
 
 class RunDirInUse(RuntimeError):
@@ -230,10 +231,14 @@ class RunDirLock:
         while not self._stop.wait(self.heartbeat_seconds):
             try:
                 holder = self._read()[0]
+                if holder is None:  # a run that judged it live may be putting it back: look again
+                    if self._stop.wait(LOOK_AGAIN_SECONDS):
+                        return
+                    holder = self._read()[0]
                 if holder != self.holder:
                     now = f"held by host {holder.host} pid {holder.pid}" if holder else "gone"
-                    why = f"run_dir {self.run_dir}: its lock file {self.path} is no longer this " \
-                          f"run's ({now})"
+                    why = (f"run_dir {self.run_dir}: its lock file {self.path} is no longer this "
+                           f"run's ({now})")
                     log.error("%s; another run may be writing into the folder: stopping after "
                               "this step with a checkpoint", why)
                     request_stop(why)
