@@ -18,11 +18,23 @@ the best of --repeats runs, floor and score_matrix alternating so that load drif
 machine hits both alike; wall-clock and process CPU seconds (all threads) are both reported, CPU
 time being the steadier one under contention.
 
+Evaluation memory (target: bounded beyond the arrays that grow with the split): the real
+`python -m trainer.evaluate --model DIR --shards DIR --split val` process (streaming, decoding,
+CNN, embedding, scoring, metrics) on featurizer-made synthetic splits of each of --eval-images
+images (5 captions each, given boxes), made once under --eval-cache with an untrained model folder
+of the default sizes. Its peak is the child's ru_maxrss from wait4 (the largest of it and its
+loader processes); its working memory is that less the arrays inherent to the split: the score
+matrix (images x sentences float32) and the embeddings it is computed from (image fragments and
+sentence fragments x embed_dim float32, with their owner indices). The smallest split's working
+memory is the floor: a larger split's must stay within --eval-limit (1.2) times it, else exit 1.
+
     python benchmarks/bench_eval.py [--images 1000] [--sentences 5000] [--chunk-images 64]
         [--chunk-sentences 512] [--shuffle] [--repeats 1] [--memory-images 250,500]
-        [--memory-limit 1.2]
+        [--memory-limit 1.2] [--eval-images 100,200,400] [--eval-limit 1.2]
+        [--eval-cache /tmp/defrag-bench-eval]
 
-The default run takes about two minutes on a 2-core machine; --repeats 3 gives steadier times.
+The default run takes about four minutes on a 2-core machine (the first a little more: it makes
+the synthetic splits); --repeats 3 gives steadier times; --eval-images '' skips the evaluation.
 """
 
 from __future__ import annotations
@@ -30,13 +42,21 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from defrag.vocab import Vocabulary
+from trainer.config import Config
 from trainer.evaluate import score_matrix
+from trainer.model import DeFragModel
+from trainer.registry import save_model_folder
 
 GIB, MIB = 2**30, 2**20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -127,6 +147,97 @@ def memory_ratios(rows: list[dict], limit: float) -> bool:
     return all(row["ratio"] <= limit for row in rows)
 
 
+def synthetic_split(cache: Path, images: int, vocab: Path | None) -> Path:
+    """Featurizer-made synthetic shards with `images` val images, made once under `cache`
+    (`vocab`: another split's vocab.json, so that one model reads them all)."""
+    out = cache / f"val-{images}"
+    if not (out / "manifest.json").is_file():
+        command = [sys.executable, "-m", "featurizer", "synthetic", "--num-train", "20",
+                   "--num-val", str(images), "--shard-size", "50", "--parser", "spacy",
+                   "--boxes", "given", "--workers", "1", "--out", str(out)]
+        made = subprocess.run(command + (["--vocab", str(vocab)] if vocab else []),
+                              capture_output=True, text=True)
+        if made.returncode:
+            sys.exit(f"featurizer synthetic failed for {out}: {made.stderr.strip()[-500:]}")
+    return out
+
+
+def untrained_model(cache: Path, shards: Path) -> tuple[Path, int]:
+    """A model folder of the default sizes (untrained, no pretrained CNN download) made once
+    under `cache`, and its embed_dim."""
+    cfg = Config.from_dict({"data": {"shards": str(shards)}, "model": {"pretrained": False}})
+    folder = cache / "model"
+    if not folder.is_dir():
+        vocab = Vocabulary.load(shards / "vocab.json")
+        save_model_folder(folder, DeFragModel.from_config(cfg.model, vocab, seed=0), cfg, vocab)
+    return folder, cfg.model.embed_dim
+
+
+def inherent_bytes(shards: Path, dim: int) -> dict:
+    """The val split's sizes and the bytes of the arrays that grow with it: the score matrix and
+    the embeddings (boxes from the shards' JSON, sentence fragments = the manifest's triplets,
+    the fragments encoder's rows), each row with its int64 owner."""
+    split = json.loads((shards / "manifest.json").read_text())["splits"]["val"]
+    boxes = 0
+    for shard in split["shards"]:
+        with tarfile.open(shards / shard["file"]) as tar:
+            boxes += sum(len(json.load(tar.extractfile(member))["boxes"]) for member in tar
+                         if member.name.endswith(".json"))
+    images, sentences, triplets = split["images"], split["captions"], split["triplets"]
+    matrix = images * sentences * 4
+    embeddings = (boxes + triplets) * (dim * 4 + 8) + sentences * 8
+    return {"images": images, "sentences": sentences, "image_fragments": boxes,
+            "sentence_fragments": triplets, "score_matrix_bytes": matrix,
+            "embedding_bytes": embeddings, "inherent_bytes": matrix + embeddings}
+
+
+def evaluate_peak(model: Path, shards: Path, dim: int) -> dict:
+    """Peak resident memory and wall time of `python -m trainer.evaluate` on the val split of
+    `shards`, with the split's inherent bytes; exits when the evaluation fails."""
+    command = [sys.executable, "-m", "trainer.evaluate", "--model", str(model), "--shards",
+               str(shards), "--split", "val"]
+    with tempfile.TemporaryFile("w+") as output:
+        wall = time.perf_counter()
+        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - wall
+        child.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        lines = output.read().splitlines()
+    if child.returncode:
+        sys.exit(f"python -m trainer.evaluate failed on {shards} (exit {child.returncode}): "
+                 f"{lines[-1] if lines else 'no output'}")
+    row = {**inherent_bytes(shards, dim), "seconds": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    row["working_bytes"] = row["peak_rss_bytes"] - row["inherent_bytes"]
+    return row
+
+
+def evaluate_memory(args: argparse.Namespace) -> tuple[list[dict], bool]:
+    """evaluate_peak on each --eval-images split, smallest first; each one's working memory
+    against the smallest's (the floor): all within --eval-limit times it?"""
+    sizes = sorted(int(images) for images in args.eval_images.split(","))
+    cache = Path(args.eval_cache)
+    splits = [synthetic_split(cache, sizes[0], None)]
+    splits += [synthetic_split(cache, images, splits[0] / "vocab.json") for images in sizes[1:]]
+    model, dim = untrained_model(cache, splits[0])
+    rows = [evaluate_peak(model, shards, dim) for shards in splits]
+    floor = rows[0]["working_bytes"]
+    for row in rows:
+        row["ratio"] = row["working_bytes"] / floor
+        print(f"  trainer.evaluate, {row['images']:>4} images x {row['sentences']:>4} sentences "
+              f"({row['seconds']:.0f} s): peak {row['peak_rss_bytes'] / MIB:.0f} MiB = score "
+              f"matrix {row['score_matrix_bytes'] / MIB:.1f} MiB + embeddings "
+              f"{row['embedding_bytes'] / MIB:.1f} MiB + working {row['working_bytes'] / MIB:.0f}"
+              f" MiB ({row['ratio']:.3f} x the floor; limit {args.eval_limit})")
+    grown = rows[-1]["peak_rss_bytes"] - rows[0]["peak_rss_bytes"]
+    inherent = rows[-1]["inherent_bytes"] - rows[0]["inherent_bytes"]
+    extra = rows[-1]["images"] - rows[0]["images"]
+    print(f"  trainer.evaluate: peak +{grown / MIB:.1f} MiB for {extra} more images "
+          f"({grown / extra / 1024:.0f} KiB per image; inherent arrays "
+          f"{inherent / extra / 1024:.0f} KiB per image)")
+    return rows, all(row["ratio"] <= args.eval_limit for row in rows)
+
+
 def timed(fn) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of fn()."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -152,8 +263,18 @@ def main() -> None:
                              "(the --images set is the largest)")
     parser.add_argument("--memory-limit", type=float, default=1.2,
                         help="largest working memory, in multiples of the smallest set's")
+    parser.add_argument("--eval-images", default="100,200,400",
+                        help="comma-separated val sizes of the trainer.evaluate memory check "
+                             "('' skips it)")
+    parser.add_argument("--eval-limit", type=float, default=1.2,
+                        help="largest trainer.evaluate working memory, in multiples of the "
+                             "smallest split's")
+    parser.add_argument("--eval-cache", default="/tmp/defrag-bench-eval",
+                        help="folder of the synthetic splits and the model (made once)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+
+    evaluated, eval_bounded = evaluate_memory(args) if args.eval_images else ([], True)
 
     v, v_owner, v_count, s, s_owner, s_count = make_test_set(args, args.images, args.sentences)
     given = given_fragments(args, v, v_owner, s, s_owner)
@@ -196,6 +317,8 @@ def main() -> None:
         "input_bytes": input_bytes, "rss_before_bytes": rss_before, "peak_rss_bytes": peak,
         "peak_increase_bytes": peak - rss_before, "memory": memory,
         "memory_limit": args.memory_limit, "memory_bounded": bounded,
+        "evaluate_memory": evaluated, "eval_limit": args.eval_limit,
+        "evaluate_bounded": eval_bounded,
     }
     print(f"score_matrix {wall:.2f} s, floor {floor_wall:.2f} s "
           f"({result['floor_gflops']:.0f} GFLOP/s), ratio {result['ratio']:.2f} (CPU time "
@@ -206,6 +329,10 @@ def main() -> None:
     if not bounded:
         sys.exit(f"working memory grows with the test set: over {args.memory_limit} x the "
                  f"{memory[0]['images']}-image set's (see the memory lines)")
+    if not eval_bounded:
+        sys.exit(f"trainer.evaluate's working memory grows with the split: over "
+                 f"{args.eval_limit} x the {evaluated[0]['images']}-image split's (see the "
+                 f"trainer.evaluate lines)")
 
 
 if __name__ == "__main__":
