@@ -248,6 +248,21 @@ def test_uploads_are_decoded_at_most_upload_slots_at_a_time(
     assert [answer.status_code for answer in answers] == [200] * 4 and most == 1
 
 
+def test_the_upload_threads_end_when_the_server_stops(world: SearchWorld,
+                                                     index: SearchIndex) -> None:
+    """The decoding threads of a stopped app are shut down with it, not left behind."""
+    before = set(threading.enumerate())
+    photo = (world.photos / world.expected).read_bytes()
+    with serving(serve.create_app(index, UPLOAD_LIMIT, upload_slots=2)) as base:
+        answer = requests.post(f"{base}/api/sentences", data=photo,
+                               headers={"Content-Type": "image/png"})
+        assert answer.status_code == 200
+        assert [t for t in threading.enumerate() if t.name.startswith("upload")
+                and t not in before]
+    assert [t.name for t in threading.enumerate() if t.name.startswith("upload")
+            and t not in before] == []
+
+
 def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:
     """A Content-Length over the limit is refused before the body; a chunked body (no length)
     as soon as it passes the limit, though it never ends."""

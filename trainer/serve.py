@@ -18,10 +18,12 @@ with {"error": "one line"} and the server goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import logging
 import tempfile
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -70,8 +72,15 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
     memory the allocator keeps after a decode is kept by those few threads only), the others
     wait their turn."""
     decoders = ThreadPoolExecutor(upload_slots, thread_name_prefix="upload")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Shut the decoding threads down when the server stops (its requests are answered)."""
+        yield
+        decoders.shutdown(wait=True, cancel_futures=True)
+
     app = FastAPI(
-        title="DeFrag search", version="1", docs_url=None, redoc_url=None,
+        title="DeFrag search", version="1", docs_url=None, redoc_url=None, lifespan=lifespan,
         description="Search a photo collection with sentences, and sentences with photos, using "
                     "a Deep Fragment Embeddings model (Karpathy et al., NIPS 2014). Errors "
                     "answer {\"error\": message}.")
