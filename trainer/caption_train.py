@@ -162,6 +162,9 @@ class CaptionTrainer:
             started = time.perf_counter()
             train_nll = self.train_epoch(epoch)
             self.end_epoch(epoch, train_nll, time.perf_counter() - started)
+            stop = stop_requested(self.run_dir, self.ctx)  # e.g. a SIGTERM during dev perplexity
+            if stop:  # the end-of-epoch checkpoint is the stop's
+                raise acknowledge(self.run_dir, self.ctx, self.state.global_step, stop)
         return self.state
 
     def epoch_order(self, epoch: int) -> torch.Tensor:

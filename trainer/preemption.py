@@ -12,10 +12,12 @@ A stop is requested two ways:
   The run_dir lock's heartbeat, on finding the lock another run's, sets the same flag
   (`request_stop`, trainer/run_lock.py).
 
-Every step, every rank calls `stop_requested`: one all-reduce of what each rank saw, so all
-ranks stop after the same step. They checkpoint together, rank 0 replaces the request with
-`<run_dir>/PREEMPTED` (the checkpoint's global step), and every rank raises `Preempted`:
-`trainer.main` marks the MLflow run KILLED and exits without registering a model.
+Every step, and after each epoch's end-of-epoch checkpoint, every rank calls `stop_requested`:
+one all-reduce of what each rank saw, so all ranks stop after the same step (a request during
+the validation stops the run once it and that checkpoint are done, not earlier). They
+checkpoint together (at an epoch's end: the end-of-epoch checkpoint), rank 0 replaces the
+request with `<run_dir>/PREEMPTED` (the checkpoint's global step), and every rank raises
+`Preempted`: `trainer.main` marks the MLflow run KILLED and exits without registering a model.
 
 The exit status. On the PREEMPT file: 0, because torchrun reports a failed worker as its own
 exit status 1 (and restarts the workers under `--max-restarts`), so a code would never reach the
@@ -23,10 +25,11 @@ batch script. On SIGTERM: 143 (128 + SIGTERM, what the signal itself would give)
 `python -m trainer.main` in a Kubernetes Job is retried rather than counted as complete. torchrun
 itself, once SIGTERMed, waits for its workers (`--shutdown-timeout`, 30 s by default, then
 SIGKILL), logs the signal with a SignalException traceback and exits 1 whatever they returned:
-the step and its checkpoint must fit in that time and in Kubernetes'
-terminationGracePeriodSeconds (30 s by default too). Either way PREEMPTED, not the status,
-says the run stopped cleanly: the batch script requeues the job when it finds it, and the next
-attempt resumes from the checkpoint (`--resume latest`).
+a step and its checkpoint, and a whole validation and the end-of-epoch checkpoint, must fit in
+that time and in Kubernetes' terminationGracePeriodSeconds (30 s by default too), else the
+ranks are SIGKILLed with no checkpoint and the MLflow run is left RUNNING. Either way
+PREEMPTED, not the status, says the run stopped cleanly: the batch script requeues the job
+when it finds it, and the next attempt resumes from the checkpoint (`--resume latest`).
 """
 
 from __future__ import annotations

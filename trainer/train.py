@@ -140,7 +140,17 @@ class Trainer:
             started = time.perf_counter()
             self.train_epoch(epoch)
             self.end_epoch(epoch, train_seconds=time.perf_counter() - started)
+            self.stop_if_requested(saved=True)  # e.g. a SIGTERM during the validation
         return self.state
+
+    def stop_if_requested(self, saved: bool = False) -> None:
+        """Collective: on a requested stop, checkpoint (unless `saved` just did) and raise
+        Preempted on every rank."""
+        stop = stop_requested(self.run_dir, self.ctx)  # e.g. SLURM's time limit
+        if stop:
+            if not saved:
+                self.checkpoint()
+            raise acknowledge(self.run_dir, self.ctx, self.state.global_step, stop)
 
     def train_epoch(self, epoch: int) -> None:
         lr = self.plan["lr"]
@@ -165,10 +175,7 @@ class Trainer:
                     self.tracker.log_metrics({**{f"train/{k}": v for k, v in losses.items()},
                                               "train/lr": lr, "train/pairs_per_s": rate},
                                              step=self.state.global_step)
-                stop = stop_requested(self.run_dir, self.ctx)  # e.g. SLURM's time limit
-                if stop:
-                    self.checkpoint()
-                    raise acknowledge(self.run_dir, self.ctx, self.state.global_step, stop)
+                self.stop_if_requested()
                 every = self.cfg.run.checkpoint_every_steps
                 if every and self.state.global_step % every == 0 and index + 1 < steps:
                     self.checkpoint()
