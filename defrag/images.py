@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import io
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,14 @@ class ImageTooLarge(ValueError):
             f"limit (max_image_pixels)")
         self.size = size
         self.limit = limit
+
+
+class UnsupportedFormat(ValueError):
+    """An image whose format (from its header) is not one the caller takes; nothing decoded."""
+
+    def __init__(self, kind: str | None) -> None:
+        super().__init__(f"format {kind}")
+        self.kind = kind
 
 
 @dataclass
@@ -76,8 +85,10 @@ def open_checked(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> 
 
 
 def decode(data: bytes, name: str, size: tuple[int, int] | None = None,
-           max_pixels: int = MAX_IMAGE_PIXELS) -> Decoded:
-    """Image bytes -> 8-bit RGB, oriented, resized to `size` (width, height) when given.
+           max_pixels: int = MAX_IMAGE_PIXELS,
+           formats: Collection[str] | None = None) -> Decoded:
+    """Image bytes -> 8-bit RGB, oriented, resized to `size` (width, height) when given; a
+    format (PIL's name) not in `formats`, when given, raises UnsupportedFormat before decoding.
 
     Fast path kept from the trainer's reader: a JPEG at least twice `size` is decoded at 1/2,
     1/4 or 1/8 scale first (PIL's `draft`, DCT-domain downscaling), and an image already RGB,
@@ -85,6 +96,8 @@ def decode(data: bytes, name: str, size: tuple[int, int] | None = None,
     """
     image = open_checked(data, name, max_pixels)
     kind = image.format
+    if formats is not None and kind not in formats:
+        raise UnsupportedFormat(kind)
     orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
     transposed = orientation in _TRANSPOSED
     original = image.size[::-1] if transposed else image.size

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode, open_checked
+from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, UnsupportedFormat, decode
 from featurizer.records import BAD_IMAGE, MISSING_IMAGE, TOO_LARGE, UNSUPPORTED_FORMAT
 
 # PIL format -> WebDataset extension the trainer decodes; the bytes are stored as they are.
@@ -44,16 +44,13 @@ def load_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> LoadedImage:
     except OSError as err:
         raise BadImage(BAD_IMAGE, f"cannot read {path} ({err})") from None
     try:
-        kind = open_checked(data, str(path), max_pixels).format
-        if kind not in EXTENSIONS:
-            raise BadImage(UNSUPPORTED_FORMAT, f"{path} is {kind}, not JPEG or PNG")
-        decoded = decode(data, str(path), max_pixels=max_pixels)
-    except BadImage:
-        raise
+        decoded = decode(data, str(path), max_pixels=max_pixels, formats=EXTENSIONS)
+    except UnsupportedFormat as err:
+        raise BadImage(UNSUPPORTED_FORMAT, f"{path} is {err.kind}, not JPEG or PNG") from None
     except ImageTooLarge as err:
         raise BadImage(TOO_LARGE, str(err)) from None
     except UnidentifiedImageError:
         raise BadImage(BAD_IMAGE, f"{path} is not an image file PIL can identify") from None
     except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ... on bad files
         raise BadImage(BAD_IMAGE, f"cannot decode {path} ({type(err).__name__}: {err})") from None
-    return LoadedImage(data=data, extension=EXTENSIONS[kind], image=decoded.image)
+    return LoadedImage(data=data, extension=EXTENSIONS[decoded.format], image=decoded.image)

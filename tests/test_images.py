@@ -185,6 +185,23 @@ def png_header(width: int, height: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
+def test_the_featurizer_reads_an_image_header_once(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The format check and the decode share one opening; another format is refused from it."""
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(tmp_path / "a.png")
+    Image.new("P", (8, 6)).save(tmp_path / "a.gif")
+    opened, real_open = [], Image.open
+    monkeypatch.setattr(Image, "open", lambda *args, **kwargs: (
+        opened.append(args[0]), real_open(*args, **kwargs))[1])
+    assert load_image(tmp_path / "a.png").image.size == (8, 6)
+    assert len(opened) == 1
+    with pytest.raises(BadImage) as refused:
+        load_image(tmp_path / "a.gif")
+    assert (refused.value.reason, str(refused.value)) == (
+        "unsupported_format", f"{tmp_path / 'a.gif'} is GIF, not JPEG or PNG")
+    assert len(opened) == 2
+
+
 def test_an_image_over_the_pixel_bound_is_refused_before_decoding(tmp_path: Path) -> None:
     path = tmp_path / "huge.png"
     path.write_bytes(png_header(7000, 7000))  # 49 Mpx, over the default 40 Mpx
