@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import defrag.images
 from defrag.vocab import Vocabulary
 from trainer.config import Config
 from trainer.features import FeatureCache, feature_stamp
@@ -112,3 +113,12 @@ def test_stamp_follows_the_shards_content_not_their_path(shards: Path, tmp_path:
     manifest["splits"]["train"]["shards"][0]["sha256"] = "0" * 64  # re-featurized shard
     (moved / "manifest.json").write_text(json.dumps(manifest))
     assert stamp(moved)["shards"] != stamp(shards)["shards"]
+
+
+def test_stamp_follows_the_decoders_version(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Features of pixels an older decoder gave (unrotated, 16-bit clipped) are not reused."""
+    old = FeatureCache(tmp_path, feature_stamp(Config()))
+    monkeypatch.setattr(defrag.images, "DECODER_VERSION", defrag.images.DECODER_VERSION + 1)
+    new = FeatureCache(tmp_path, feature_stamp(Config()))
+    assert new.stamp["decoder"] == old.stamp["decoder"] + 1 and new.folder != old.folder

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import defrag.images
 from trainer.config import Config
 from trainer.model import DeFragModel
 from trainer.shardset import training_manifest
@@ -41,14 +42,15 @@ def shards_fingerprint(cfg: Config) -> str | None:
 
 
 def feature_stamp(cfg: Config) -> dict[str, Any]:
-    """Everything the cached features depend on: the CNN, its input and the shards' boxes."""
+    """Everything the cached features depend on: the CNN, its input (the shards' boxes, and the
+    decoder's pixels: defrag.images.DECODER_VERSION)."""
     model = cfg.model
     return {"backbone": model.backbone, "pretrained": model.pretrained,
             "backbone_weights": model.backbone_weights, "image_size": model.image_size,
             "region_mode": model.region_mode, "crop_size": model.crop_size,
             "roi_output_size": model.roi_output_size,
             "max_boxes": 1 if model.fullframe_only else cfg.data.max_boxes,
-            "shards": shards_fingerprint(cfg)}
+            "shards": shards_fingerprint(cfg), "decoder": defrag.images.DECODER_VERSION}
 
 
 class FeatureCache:
