@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
+import defrag.images
 import trainer.embedder as embedder
 import trainer.evaluate as evaluate
 import trainer.retrieve as retrieve
@@ -316,6 +317,19 @@ def test_damaged_cache_is_rebuilt(world: World, images: Path,
     messages(caplog)
     assert same_report(run(capsys, *argv), first)
     assert "is unreadable" in messages(caplog)
+
+
+def test_an_image_cache_of_another_decoder_is_rebuilt(world: World, images: Path,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Embeddings of an older decoder's pixels (defrag.images.DECODER_VERSION) are not reused."""
+    argv = ["--model", world.model_dir, "--images", images, "--query", world.captions[0]]
+    run(capsys, *argv)
+    messages(caplog)
+    monkeypatch.setattr(defrag.images, "DECODER_VERSION", defrag.images.DECODER_VERSION + 1)
+    run(capsys, *argv)
+    assert "built with another decoder: rebuilding" in messages(caplog)
 
 
 # ---------------------------------------------------------------- explain

@@ -1,10 +1,10 @@
 """The fragment embeddings of an image folder and of a sentences file, cached on disk.
 
 The cache (--index-dir; default FOLDER/.defrag-index, or beside the sentences file) holds
-safetensors tensors plus a JSON description, keyed by the model's checksums, the box source or
-parser, and each image file's name, size and mtime (the sentences file's as a whole): a second
-query embeds only itself, a changed model or box source rebuilds it, a changed image file is
-embedded again.
+safetensors tensors plus a JSON description, keyed by the model's checksums, the box source and
+decoder (defrag.images.DECODER_VERSION) or parser, and each image file's name, size and mtime
+(the sentences file's as a whole): a second query embeds only itself, a changed model, box source
+or decoder rebuilds it, a changed image file is embedded again.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import defrag.images
 from trainer.embedder import Embedder, RetrievalError, embed_images, embed_sentences
 from trainer.fragment_set import FragmentSet
 
@@ -94,10 +95,12 @@ def image_embeddings(folder: Path, cache_dir: Path, embedder: Embedder,
     remembered as such (and warned about again) until they change."""
     paths = list_images(folder)
     stamps = {path.name: _stamp(path) for path in paths}
-    key = {"model": embedder.model_key, "boxes": embedder.boxes}
+    key = {"model": embedder.model_key, "boxes": embedder.boxes,
+           "decoder": defrag.images.DECODER_VERSION}  # another decoder gives other pixels
     cached, meta = _load(cache_dir, "images") or (None, {})
     if cached is not None and any(meta.get(k) != value for k, value in key.items()):
-        what = "model" if meta.get("model") != embedder.model_key else "box source"
+        what = next(name for k, name in [("model", "model"), ("decoder", "decoder"),
+                                         ("boxes", "box source")] if meta.get(k) != key[k])
         log.info("image index %s: built with another %s: rebuilding", cache_dir, what)
         cached, meta = None, {}
     known = {stamp["name"]: k for k, stamp in enumerate(meta.get("stamps", []))
