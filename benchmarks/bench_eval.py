@@ -33,8 +33,9 @@ memory is the floor: a larger split's must stay within --eval-limit (1.2) times 
         [--memory-limit 1.2] [--eval-images 100,200,400] [--eval-limit 1.2]
         [--eval-cache /tmp/defrag-bench-eval]
 
-The default run takes about four minutes on a 2-core machine (the first a little more: it makes
-the synthetic splits); --repeats 3 gives steadier times; --eval-images '' skips the evaluation.
+The default run takes about three minutes on a loaded 2-core machine (the first a little more: it
+makes the synthetic splits); --repeats 3 gives steadier times; --eval-images '' skips the
+evaluation.
 """
 
 from __future__ import annotations
