@@ -49,6 +49,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -134,18 +135,29 @@ def smaller_set_memory(args: argparse.Namespace, images: int) -> dict:
     return score_memory(args, given_fragments(args, v, v_owner, s, s_owner), images, sentences)
 
 
-def memory_ratios(rows: list[dict], limit: float) -> bool:
-    """Print each set's working memory against the smallest set's (the floor); all within
-    `limit` times it?"""
+def within_floor(rows: list[dict], limit: float, line: Callable[[dict], str]) -> bool:
+    """Each set's working memory as a ratio of the smallest set's (the floor), printed with
+    `line(row)`; all within `limit` times it?"""
     floor = rows[0]["working_bytes"]
     for row in rows:
         row["ratio"] = row["working_bytes"] / floor
-        print(f"  memory, {row['images']:>5} images x {row['sentences']:>5} sentences: peak "
-              f"+{row['peak_increase_bytes'] / MIB:.0f} MiB = score matrix "
-              f"{row['score_matrix_bytes'] / MIB:.1f} MiB + working "
-              f"{row['working_bytes'] / MIB:.1f} MiB ({row['ratio']:.2f} x the floor; limit "
-              f"{limit})")
+        print(f"{line(row)} ({row['ratio']:.3f} x the floor; limit {limit})")
     return all(row["ratio"] <= limit for row in rows)
+
+
+def score_memory_line(row: dict) -> str:
+    return (f"  memory, {row['images']:>5} images x {row['sentences']:>5} sentences: peak "
+            f"+{row['peak_increase_bytes'] / MIB:.0f} MiB = score matrix "
+            f"{row['score_matrix_bytes'] / MIB:.1f} MiB + working "
+            f"{row['working_bytes'] / MIB:.1f} MiB")
+
+
+def evaluate_memory_line(row: dict) -> str:
+    return (f"  trainer.evaluate, {row['images']:>4} images x {row['sentences']:>4} sentences "
+            f"({row['seconds']:.0f} s): peak {row['peak_rss_bytes'] / MIB:.0f} MiB = score "
+            f"matrix {row['score_matrix_bytes'] / MIB:.1f} MiB + embeddings "
+            f"{row['embedding_bytes'] / MIB:.1f} MiB + working {row['working_bytes'] / MIB:.0f}"
+            f" MiB")
 
 
 def synthetic_split(cache: Path, images: int, vocab: Path | None) -> Path:
@@ -222,21 +234,14 @@ def evaluate_memory(args: argparse.Namespace) -> tuple[list[dict], bool]:
     splits += [synthetic_split(cache, images, splits[0] / "vocab.json") for images in sizes[1:]]
     model, dim = untrained_model(cache, splits[0])
     rows = [evaluate_peak(model, shards, dim) for shards in splits]
-    floor = rows[0]["working_bytes"]
-    for row in rows:
-        row["ratio"] = row["working_bytes"] / floor
-        print(f"  trainer.evaluate, {row['images']:>4} images x {row['sentences']:>4} sentences "
-              f"({row['seconds']:.0f} s): peak {row['peak_rss_bytes'] / MIB:.0f} MiB = score "
-              f"matrix {row['score_matrix_bytes'] / MIB:.1f} MiB + embeddings "
-              f"{row['embedding_bytes'] / MIB:.1f} MiB + working {row['working_bytes'] / MIB:.0f}"
-              f" MiB ({row['ratio']:.3f} x the floor; limit {args.eval_limit})")
+    bounded = within_floor(rows, args.eval_limit, evaluate_memory_line)
     grown = rows[-1]["peak_rss_bytes"] - rows[0]["peak_rss_bytes"]
     inherent = rows[-1]["inherent_bytes"] - rows[0]["inherent_bytes"]
     extra = rows[-1]["images"] - rows[0]["images"]
     print(f"  trainer.evaluate: peak +{grown / MIB:.1f} MiB for {extra} more images "
           f"({grown / extra / 1024:.0f} KiB per image; inherent arrays "
           f"{inherent / extra / 1024:.0f} KiB per image)")
-    return rows, all(row["ratio"] <= args.eval_limit for row in rows)
+    return rows, bounded
 
 
 def timed(fn) -> tuple[float, float]:
@@ -297,7 +302,7 @@ def main() -> None:
         smaller_set_memory(args, sizes[0])
         memory = [smaller_set_memory(args, images) for images in sizes]
         memory.append(score_memory(args, given, args.images, args.sentences))  # and warm-up
-        bounded = memory_ratios(memory, args.memory_limit)
+        bounded = within_floor(memory, args.memory_limit, score_memory_line)
         rss_before, peak = memory[-1]["rss_before_bytes"], memory[-1]["peak_rss_bytes"]
         print(f"  warm-up: score_matrix {memory[-1]['seconds']:.2f} s")
         runs = []
