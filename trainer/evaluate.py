@@ -380,13 +380,13 @@ def _evaluate(args: argparse.Namespace) -> None:
         scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True,
                                                 cache=cache)
         if first is None:
-            total, first = weight * scores, embedded
+            total, first = scores.mul_(weight), embedded  # in place: one matrix held
         elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
             raise IncompleteSplit(f"{member} read other images or captions than "
                                   f"{members[0]} from {args.shards}: an ensemble's members "
                                   "must see the same pairs")
         else:
-            total += weight * scores
+            total.add_(scores, alpha=weight)
     metrics = split_metrics(total, first.sentence_image, cfg.eval.hodosh)
     if args.save_scores:
         save_file({"scores": total.contiguous(), "sentence_image": first.sentence_image},
