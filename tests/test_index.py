@@ -227,6 +227,22 @@ def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_p
             searched.image_file(name)
 
 
+def test_an_index_of_an_earlier_decoder_is_opened_with_a_warning(folder_index: Path,
+                                                                tmp_path: Path, caplog) -> None:
+    """Its stored embeddings came from other pixels than a new query's: say so, once."""
+    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+        index.SearchIndex.open(folder_index)
+    assert "earlier image decoder" not in caplog.text
+    old = tmp_path / "old"
+    shutil.copytree(folder_index, old)
+    meta = json.loads((old / "index.json").read_text())
+    del meta["decoder"]
+    (old / "index.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+        index.SearchIndex.open(old)
+    assert f"index {old} was built by an earlier image decoder (version 1" in caplog.text
+
+
 def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
     mapped = index.memory_map(folder_index / "images.safetensors")
     for name, tensor in load_file(folder_index / "images.safetensors").items():

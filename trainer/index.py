@@ -6,7 +6,7 @@ a faiss first stage over them; what the web app, the retrieval CLI and the MLflo
 
 The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled):
 - `index.json`: what was embedded with what (the model folder's checksums key, box source,
-  parser, the collection's source), the items; written last.
+  parser, image decoder version, the collection's source), the items; written last.
 - `images.safetensors`: the fragments, each image's consecutive: `rows` fp16 [N, d] times
   `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
   int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
@@ -51,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
-from defrag.images import MAX_IMAGE_PIXELS
+from defrag.images import DECODER_VERSION, MAX_IMAGE_PIXELS
 from defrag.urls import redact
 from trainer.batch import owners
 from trainer.embedder import (
@@ -312,6 +312,11 @@ class SearchIndex:
                                 f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
                                 f"({embedder.model_key[:16]}): rebuild the index with this "
                                 "model, or open it with its own")
+        if meta.get("decoder") != DECODER_VERSION:  # indexes before the version have none
+            log.warning("index %s was built by an earlier image decoder (version %s, this code "
+                        "decodes with %d: EXIF orientation, 16-bit and transparent images are "
+                        "read differently): rebuild it with trainer.index", folder,
+                        meta.get("decoder", 1), DECODER_VERSION)
         return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"],
                                                      max_image_pixels=max_image_pixels), model)
 
@@ -546,7 +551,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         image_folder = (out / "files").resolve()
         links, skipped = {}, []
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
-           "source": source}
+           "decoder": DECODER_VERSION, "source": source}
     parts = _parts_folder(out, key)
     (out / "files").mkdir(exist_ok=True)
     todo = [unit for unit in units if not _unit_done(parts, unit)]
