@@ -16,3 +16,18 @@ TREE_FORMAT = 2  # the first format whose captions have a "tree"
 MANIFEST = "manifest.json"  # beside the split folders
 VOCAB = "vocab.json"
 SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+\.tar)")  # "<split>/shard-NNNNNN.tar" in a URL
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|pipe:")
+
+
+def unsafe_path(name: str) -> str | None:
+    """What in `name`, a path joined to a set's folder or URL (a manifest's shard "file", a split
+    folder), could lead outside it or into a command; None when nothing does."""
+    if any(ord(char) < 0x20 or char == "\x7f" for char in name):
+        return "a control character"
+    if name.startswith("/"):
+        return "an absolute path"
+    if _SCHEME.match(name):
+        return "a URL scheme or a pipe: command"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "an empty, '.' or '..' path part"
+    return None

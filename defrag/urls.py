@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import webdataset as wds
 from webdataset.gopen import Pipe
@@ -220,6 +220,10 @@ def read_url(url: str, timeout: float = 60.0, retries: int = 3) -> bytes:
 
 
 def join_url(base: str, name: str) -> str:
+    """The file `name` (a relative path) of the folder `base`, percent-encoded after an http(s)
+    base, whose server decodes it (a split named "val 2014")."""
+    if base.startswith(("http://", "https://")):
+        name = quote(name)
     return f"{base.rstrip('/')}/{name}"
 
 

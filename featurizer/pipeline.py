@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from defrag.images import MAX_IMAGE_PIXELS
-from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB
+from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB, unsafe_path
 from defrag.urls import redact
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
@@ -118,7 +118,8 @@ def _reused_vocabulary(settings: Settings) -> Vocabulary | None:
 
 def _select_splits(records: list[ImageRecord],
                    settings: Settings) -> dict[str, list[ImageRecord]]:
-    """Records by split, in --splits order (default: sorted names), first `limit` by image id."""
+    """Records by split, in --splits order (default: sorted names), first `limit` by image id;
+    a split name that cannot be one folder of --out (`unsafe_path`, or a '/') is refused."""
     found = sorted({r.split for r in records})
     names = settings.splits or found
     missing = [s for s in names if s not in found]
@@ -126,6 +127,10 @@ def _select_splits(records: list[ImageRecord],
         raise ValueError(f"split(s) {missing} not in the source (it has {found})")
     selected = {}
     for name in names:
+        if reason := ("a '/'" if "/" in name else unsafe_path(name)):
+            raise ValueError(f"split {name!r} cannot name a folder of --out: it holds {reason}; "
+                             f"rename it in the source (a JSONL \"split\", --split-file "
+                             f"NAME=FILE, --split-map) or leave it out with --splits")
         chosen = sorted((r for r in records if r.split == name), key=lambda r: r.image_id)
         selected[name] = chosen[:settings.limit] if settings.limit is not None else chosen
     return selected

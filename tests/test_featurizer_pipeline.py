@@ -333,6 +333,24 @@ def test_cli_escaped_lone_surrogates_are_reported_and_the_run_goes_on(
     assert len(reports) == 1 and "'caf\\xe9' is not UTF-8" in reports[0]
 
 
+@pytest.mark.parametrize(("split", "reason"), [
+    ("../escaped", "a '/'"), ("a/b", "a '/'"), ("..", "an empty, '.' or '..' path part"),
+    ("", "an empty, '.' or '..' path part"), ("val\n2014", "a control character"),
+    ("pipe:x", "a URL scheme or a pipe: command")])
+def test_a_split_name_that_is_no_folder_name_is_refused_before_any_shard(
+        tmp_path: Path, split: str, reason: str) -> None:
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    lines = jsonl.read_text().splitlines()
+    jsonl.write_text("\n".join([*lines[:-1], lines[-1].replace('"train"', json.dumps(split))]))
+    with pytest.raises(ValueError) as failure:
+        run(jsonl, tmp_path / "out")
+    assert str(failure.value) == (
+        f"split {split!r} cannot name a folder of --out: it holds {reason}; rename it in the "
+        f"source (a JSONL \"split\", --split-file NAME=FILE, --split-map) or leave it out with "
+        f"--splits")
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "out").exists()
+
+
 def test_cli_karpathy_with_split_map(tmp_path: Path) -> None:
     for i in range(3):
         write_image(tmp_path / f"images/val2014/COCO_{i}.jpg", i)

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -266,10 +267,49 @@ def test_a_manifest_whose_shard_file_is_not_a_shard_name_is_refused_in_one_line(
         locate_split(server.url, "train", timeout=10, retries=0)
     where = f"{server.url}/manifest.json"
     assert str(failure.value) == (
-        f"the manifest {where} lists shard {bad!r} (split 'train', entry 1), not a "
-        f"<split>/shard-NNNNNN.tar name: re-run the featurizer command of the manifest "
-        f"(created_by) with the same --out, or fetch the set from a source you trust")
+        f"the manifest {where} lists shard {bad!r} (split 'train', entry 1), which holds a "
+        f"control character: a shard name is a path inside the set's folder; re-run the "
+        f"featurizer command of the manifest (created_by) with the same --out, or fetch the set "
+        f"from a source you trust")
     assert not (tmp_path / "written").exists()
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    ("../shard-000000.tar", "an empty, '.' or '..' path part"),
+    ("train/../../shard-000000.tar", "an empty, '.' or '..' path part"),
+    ("train//shard-000000.tar", "an empty, '.' or '..' path part"),
+    ("/etc/x.tar", "an absolute path"),
+    ("http://x/y.tar", "a URL scheme or a pipe: command"),
+    ("pipe:cat x", "a URL scheme or a pipe: command")])
+def test_a_manifest_whose_shard_name_leaves_the_set_is_refused_in_one_line(
+        shards: Path, tmp_path: Path, bad: str, reason: str) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["splits"]["val"]["shards"][0]["file"] = bad
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError) as failure:
+        locate_split(str(tmp_path), "train")
+    assert str(failure.value) == (
+        f"the manifest {tmp_path / 'manifest.json'} lists shard {bad!r} (split 'val', entry 0), "
+        f"which holds {reason}: a shard name is a path inside the set's folder; re-run the "
+        f"featurizer command of the manifest (created_by) with the same --out, or fetch the set "
+        f"from a source you trust")
+
+
+@pytest.mark.parametrize("split", ["val 2014", "a:b", "val%20x"])
+def test_a_manifest_whose_split_name_has_spaces_or_colons_is_read_from_a_folder_and_a_url(
+        shards: Path, tmp_path: Path, split: str) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["splits"][split] = manifest["splits"].pop("val")
+    for entry in manifest["splits"][split]["shards"]:
+        entry["file"] = entry["file"].replace("val/", f"{split}/")
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(shards / "val", tmp_path / split)
+    with serve_folder(tmp_path) as server:
+        for spec in (str(tmp_path), server.url):
+            found = locate_split(spec, split, timeout=10, retries=0)
+            assert len(found.shards) == 2
+            with open_url(found.shards[1].url, timeout=10) as stream:
+                assert stream.read() == (shards / "val/shard-000001.tar").read_bytes()
 
 
 # ---------------------------------------------------------------------------------------------

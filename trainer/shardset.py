@@ -31,6 +31,7 @@ from defrag.shard_format import (
     SHARD_NAME,
     TREE_FORMAT,
     VOCAB,
+    unsafe_path,
 )
 from defrag.urls import ShardError, is_remote, join_url, parent, read_url, redact
 from defrag.vocab import Vocabulary
@@ -136,17 +137,18 @@ def read_manifest(url: str, timeout: float = 60.0, retries: int = 3) -> dict[str
 
 
 def _check_shard_names(manifest: dict[str, Any], url: str) -> None:
-    """Raise a one-line ShardError for a shard "file" that is not a `<split>/shard-NNNNNN.tar`
-    name: shard URLs are built from them, and a remote manifest is not to be trusted."""
+    """Raise a one-line ShardError for a shard "file" that could lead outside the set's folder
+    (`unsafe_path`): shard URLs are built from them, and a remote manifest is not to be trusted."""
     for split, entry in manifest.get("splits", {}).items():
         for number, shard in enumerate(entry.get("shards", [])):
             name = shard.get("file") if isinstance(shard, dict) else shard
-            if not (isinstance(name, str) and SHARD_NAME.fullmatch(name)):
+            reason = unsafe_path(name) if isinstance(name, str) else "no text"
+            if reason:
                 raise ShardError(
                     f"the manifest {redact(url)} lists shard {redact(name)!r} (split {split!r}, "
-                    f"entry {number}), not a <split>/shard-NNNNNN.tar name: re-run the "
-                    f"featurizer command of the manifest (created_by) with the same --out, or "
-                    f"fetch the set from a source you trust")
+                    f"entry {number}), which holds {reason}: a shard name is a path inside the "
+                    f"set's folder; re-run the featurizer command of the manifest (created_by) "
+                    f"with the same --out, or fetch the set from a source you trust")
 
 
 def locate_split(spec: str | None, split: str, manifest: str | None = None,
