@@ -27,8 +27,9 @@ from mlflow import MlflowClient
 from defrag.cli import describe
 from tests.test_cli_errors import error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
+from trainer.config import Config
 from trainer.distributed import DistContext, end_process
-from trainer.preemption import SIGTERM, acknowledge, stop_on_sigterm, stop_requested
+from trainer.preemption import DONE, RunDirLost, stop_on_sigterm, stop_requested
 from trainer.run_lock import (
     LOCK,
     OWN_JOB_STALE_SECONDS,
@@ -316,25 +317,57 @@ def test_a_takeover_gives_back_a_live_lock_taken_over_meanwhile(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
 
 
-def test_a_run_whose_lock_was_taken_stops_after_its_step(tmp_path, caplog):
-    """The heartbeat finding another run's lock asks for the same stop as SIGTERM: a checkpoint,
-    then the run ends, the line saying why."""
+def test_a_run_whose_lock_was_taken_fails_after_its_step(tmp_path, caplog):
+    """The heartbeat finding another run's lock ends the run with an error at the next step's
+    check, before a SIGTERM's stop with a checkpoint, and leaves the other run's lock alone."""
     lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
     with stop_on_sigterm(), caplog.at_level(logging.ERROR, logger="trainer.run_lock"):
         lock.acquire()
         assert stop_requested(tmp_path, CPU) is None
         write_lock(tmp_path, host="node-7", machine="another-node", pid=4242)
-        deadline = time.monotonic() + 5
-        while stop_requested(tmp_path, CPU) is None:
-            assert time.monotonic() < deadline, "the run goes on without its lock"
-            time.sleep(0.05)
-        stop = acknowledge(tmp_path, CPU, 3, SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        lock._heartbeat.join(timeout=5)
+        with pytest.raises(RunDirLost) as lost:
+            stop_requested(tmp_path, CPU)
         lock.release()
-    assert str(stop).startswith(f"stopped because run_dir {tmp_path}: its lock file "
-                                f"{tmp_path / LOCK} is no longer this run's (held by host node-7 "
-                                "pid 4242)"), stop
-    assert "stopping after this step with a checkpoint" in caplog.text
+    assert str(lost.value) == (f"run_dir {tmp_path}: its lock file {tmp_path / LOCK} is no "
+                               "longer this run's (held by host node-7 pid 4242); another run "
+                               "may be writing into the folder: this run stopped without saving "
+                               "anything there; resume it (--resume latest) once that run is "
+                               "done"), lost.value
+    assert "stopping after this step without a checkpoint" in caplog.text
     assert json.loads((tmp_path / LOCK).read_text())["host"] == "node-7"
+
+
+def test_a_training_whose_lock_was_taken_ends_failed_writing_nothing(tmp_path, shards,
+                                                                      monkeypatch):
+    """No checkpoint, PREEMPTED or pruning in a folder another run now holds: the training
+    raises after its step, its MLflow run FAILED with the error, and the other run's LOCK
+    stays."""
+    from trainer.main import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    cfg = Config.from_dict({
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
+        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
+        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
+        "run": {"run_dir": str(run_dir), "log_every_steps": 1},
+    })
+    with stop_on_sigterm():
+        lock = RunDirLock(run_dir, heartbeat_seconds=0.05)
+        lock.acquire()
+        write_lock(run_dir, host="node-7", machine="another-node", pid=4242)
+        lock._heartbeat.join(timeout=5)
+        with pytest.raises(RunDirLost, match="no longer this run's") as lost:
+            train(cfg, CPU, resume="latest")
+        lock.release()
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / DONE).exists()
+    assert json.loads((run_dir / LOCK).read_text())["host"] == "node-7"
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("defrag").experiment_id])[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == f"RunDirLost: {lost.value}"
 
 
 def test_heartbeats_are_timed_by_the_filesystems_clock(tmp_path, monkeypatch):
@@ -371,8 +404,7 @@ def test_a_lock_moved_away_and_back_by_a_takeover_attempt_does_not_stop_the_run(
         time.sleep(1.5)
         assert stop_requested(tmp_path, CPU) is None
         path.unlink()
-        deadline = time.monotonic() + 5
-        while stop_requested(tmp_path, CPU) is None:
-            assert time.monotonic() < deadline, "the run goes on without its lock"
-            time.sleep(0.05)
+        lock._heartbeat.join(timeout=5)
+        with pytest.raises(RunDirLost, match=r"is no longer this run's \(gone\)"):
+            stop_requested(tmp_path, CPU)
         lock.release()

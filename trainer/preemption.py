@@ -9,8 +9,11 @@ A stop is requested two ways:
   agent sends it on to every worker), and `scancel --signal=TERM JOB` to every process of a
   job's steps. Inside `stop_on_sigterm` the signal only sets a flag. (At the time limit SLURM
   SIGTERMs srun too, which SIGKILLs its tasks at once: there the SIGUSR1 file path does it.)
-  The run_dir lock's heartbeat, on finding the lock another run's, sets the same flag
-  (`request_stop`, trainer/run_lock.py).
+
+The run_dir lock's heartbeat, on finding the lock another run's (trainer/run_lock.py), asks for
+the opposite (`fail_after_step`): at the same check every rank raises RunDirLost, before any
+save, so the run writes no checkpoint or PREEMPTED into a folder another run now holds and ends
+FAILED (exit status 1), even if a stop was requested too.
 
 Every step, and after each epoch's end-of-epoch checkpoint, every rank calls `stop_requested`:
 one all-reduce of what each rank saw, so all ranks stop after the same step (a request during
@@ -51,7 +54,11 @@ SIGTERM = "SIGTERM"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 _REASONS = {1: REQUEST, 2: SIGTERM}  # combined across ranks by their maximum
 _sigterm = threading.Event()
-_why: list[str] = []  # why, other than SIGTERM, `_sigterm` was set (request_stop)
+_lost: list[str] = []  # why the run_dir is no longer this run's (fail_after_step)
+
+
+class RunDirLost(RuntimeError):
+    """The run_dir's lock became another run's: the run ends with an error, saving nothing."""
 
 
 class Preempted(Exception):
@@ -74,24 +81,29 @@ def stop_on_sigterm() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         _sigterm.clear()
-        _why.clear()
+        _lost.clear()
 
 
-def request_stop(why: str) -> None:
-    """From any thread, the stop SIGTERM asks for, `why` in its message: the run_dir lock's
-    heartbeat when another run has taken the lock."""
-    _why.append(why)
-    _sigterm.set()
+def fail_after_step(why: str) -> None:
+    """From any thread: every rank raises RunDirLost(`why`) at the next `stop_requested`, before
+    any save (the run_dir lock's heartbeat, once another run has taken the lock)."""
+    _lost.append(why)
 
 
 def stop_requested(run_dir: str | Path, ctx: DistContext) -> str | None:
     """Collective, called by every rank at every step: why the run stops after this step (SIGTERM
     when any rank got it, else REQUEST when rank 0 sees the file), None to go on; the same on
-    every rank."""
-    seen = 2 if _sigterm.is_set() else int(ctx.is_main and (Path(run_dir) / REQUEST).exists())
+    every rank. Raises RunDirLost on every rank instead when rank 0's run_dir lock was lost."""
+    seen = (3 if _lost else 2 if _sigterm.is_set()
+            else int(ctx.is_main and (Path(run_dir) / REQUEST).exists()))
     flag = torch.tensor([seen], dtype=torch.int32, device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()) == 3:
+        why = _lost[0] if _lost else f"run_dir {run_dir}: rank 0's lock file is another run's"
+        raise RunDirLost(f"{why}; another run may be writing into the folder: this run stopped "
+                         "without saving anything there; resume it (--resume latest) once that "
+                         "run is done")
     return _REASONS.get(int(flag.item()))
 
 
@@ -101,8 +113,6 @@ def acknowledge(run_dir: str | Path, ctx: DistContext, step: int, reason: str) -
     if ctx.is_main:
         (Path(run_dir) / DONE).write_text(f"{step}\n")
         (Path(run_dir) / REQUEST).unlink(missing_ok=True)
-    what = f"on request ({REQUEST} file)"
-    if reason == SIGTERM:
-        what = f"because {_why[0]}," if _why else "on SIGTERM"
+    what = "on SIGTERM" if reason == SIGTERM else f"on request ({REQUEST} file)"
     return Preempted(f"stopped {what} with a checkpoint at step {step}; run again (--resume "
                      "latest) to continue", SIGTERM_EXIT if reason == SIGTERM else 0)

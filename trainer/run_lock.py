@@ -20,7 +20,8 @@ A lock whose holder is gone is taken over, with a warning:
 A takeover renames the judged file away and checks by its token that it moved that very file
 (not a lock another run took over meanwhile, which it puts back), so two runs taking over
 together cannot both win. A run suspended (SIGSTOP) for longer than STALE_SECONDS loses its lock
-to a run on another node; its heartbeat then stops it after the step, with a checkpoint.
+to a run on another node; its heartbeat then ends it after the step with RunDirLost, saving
+nothing there (trainer/preemption.py `fail_after_step`), and leaves the other run's lock alone.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from defrag.cli import describe
 from trainer.distributed import DistContext
-from trainer.preemption import request_stop
+from trainer.preemption import fail_after_step
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +227,8 @@ class RunDirLock:
         return None
 
     def _beat(self) -> None:
-        """Refresh LOCK's mtime until released. If it is no longer ours, the run stops after its
-        step with a checkpoint (as on SIGTERM), saying why: another run may be writing there."""
+        """Refresh LOCK's mtime until released. If it is no longer ours, the run fails after its
+        step, saving nothing, saying why: another run may be writing there."""
         while not self._stop.wait(self.heartbeat_seconds):
             try:
                 holder = self._read()[0]
@@ -240,8 +241,8 @@ class RunDirLock:
                     why = (f"run_dir {self.run_dir}: its lock file {self.path} is no longer this "
                            f"run's ({now})")
                     log.error("%s; another run may be writing into the folder: stopping after "
-                              "this step with a checkpoint", why)
-                    request_stop(why)
+                              "this step without a checkpoint", why)
+                    fail_after_step(why)
                     return
                 os.utime(self.path)
             except OSError as err:  # a filesystem hiccup: the next beat tries again
