@@ -33,6 +33,7 @@ CURL_EXIT = {6: "unknown host", 7: "connection refused", 18: "connection closed 
              52: "empty reply", 56: "connection reset"}
 
 
+_BREAKS = re.compile(r"[\r\n\0]")  # a line break or NUL: in curl's config, a new setting
 AUTHORIZATION_ENV = "DEFRAG_HTTP_AUTHORIZATION"  # the Authorization header of http(s) reads
 MASK = "***"
 # Query parameters and NAME=value settings whose value is a secret, by name, case-insensitive:
@@ -122,17 +123,33 @@ class _Curl(Pipe):
 
 def _curl_config(url: str) -> bytes:
     """curl's settings for `url` in its config-file syntax (read from its stdin): the URL, the
-    URL's user:password as `user`, and the Authorization header of AUTHORIZATION_ENV."""
+    URL's user:password as `user`, and the Authorization header of AUTHORIZATION_ENV. A value
+    with a line break or NUL (`%0a` in user:password too, once decoded) is refused: it would
+    add settings."""
     parts = urlsplit(url)
     settings = {}
     if "@" in parts.netloc:
         userinfo, _, host = parts.netloc.rpartition("@")
         settings["user"] = unquote(userinfo)
-        url = parts._replace(netloc=host).geturl()
-    settings["url"] = url
+        settings["url"] = parts._replace(netloc=host).geturl()
+    else:
+        settings["url"] = url
     if os.environ.get(AUTHORIZATION_ENV):
         settings["header"] = f"Authorization: {os.environ[AUTHORIZATION_ENV]}"
+        if _BREAKS.search(settings["header"]):
+            raise ShardError(f"refusing {AUTHORIZATION_ENV}: it holds a line break or a NUL "
+                             f"character, which would add curl settings; set it to the one "
+                             f"header value (e.g. `Bearer <token>`)")
+    if any(_BREAKS.search(value) for value in settings.values()):
+        raise ShardError(_refused_url(url))
     return "".join(f'{name} = "{_escaped(value)}"\n' for name, value in settings.items()).encode()
+
+
+def _refused_url(url: str) -> str:
+    """The one line refusing a URL that holds a line break or NUL (decoded or not)."""
+    return (f"refusing the URL {redact(url)!r}: it holds a line break or a NUL character, which "
+            f"no shard or manifest URL has; check where it came from (a manifest's shard "
+            f"\"file\", data.shards, data.manifest)")
 
 
 def _escaped(value: str) -> str:
@@ -149,17 +166,16 @@ def open_url(url: str, timeout: float) -> IO[bytes]:
     """A binary stream of `url`: a path, `pipe:CMD`, `http(s)://` or any other scheme
     webdataset's gopen handles. http(s) transfers that stall for `timeout` s fail. A URL with
     a line break or NUL is refused: in curl's config (`_curl_config`) it would add settings."""
-    if re.search(r"[\r\n\0]", url):
-        raise ShardError(f"refusing the URL {redact(url)!r}: it holds a line break or a NUL "
-                         f"character, which no shard or manifest URL has; check where it came "
-                         f"from (a manifest's shard \"file\", data.shards, data.manifest)")
+    if _BREAKS.search(url):
+        raise ShardError(_refused_url(url))
     if url.startswith(("http://", "https://")):
         seconds = str(max(1, round(timeout)))
         command = ["curl", "--fail", "--silent", "--show-error", "--location", "--netrc-optional",
                    "--connect-timeout", seconds, "--speed-limit", "1", "--speed-time", seconds,
                    "--config", "-"]
+        config = _curl_config(url)
         settings_read, settings_write = os.pipe()
-        os.write(settings_write, _curl_config(url))  # far below a pipe's buffer: never blocks
+        os.write(settings_write, config)  # far below a pipe's buffer: never blocks
         os.close(settings_write)
         try:
             # 23 and 141: curl stopped because the reader closed the stream early (SIGPIPE)

@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from mlflow import MlflowClient
@@ -255,6 +256,34 @@ def test_a_url_with_a_line_break_or_nul_is_refused_before_curl_reads_what_it_inj
         f"refusing the URL {redact(url)!r}: it holds a line break or a NUL character, which no "
         f"shard or manifest URL has; check where it came from (a manifest's shard \"file\", "
         f"data.shards, data.manifest)")
+
+
+@pytest.mark.parametrize("mark", ["\n", "\r", "\0"])
+def test_a_url_whose_user_name_decodes_to_a_line_break_is_refused_before_curl_reads_it(
+        mark: str, home: Path, tmp_path: Path) -> None:
+    secret, written = tmp_path / "secret", tmp_path / "written"
+    secret.write_text("local file contents")
+    user = quote(f"u{mark}url = file://{secret}{mark}output = {written}{mark}x", safe="")
+    url = f"http://{user}:{PASSWORD}@127.0.0.1:9/x"
+    with pytest.raises(ShardError) as failure, open_url(url, timeout=10) as stream:
+        stream.read()
+    assert str(failure.value) == (
+        f"refusing the URL {redact(url)!r}: it holds a line break or a NUL character, which no "
+        f"shard or manifest URL has; check where it came from (a manifest's shard \"file\", "
+        f"data.shards, data.manifest)")
+    assert PASSWORD not in str(failure.value) and not written.exists()
+
+
+def test_an_authorization_header_with_a_line_break_is_refused_before_curl_reads_it(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written = tmp_path / "written"
+    monkeypatch.setenv(AUTHORIZATION_ENV, f"Bearer {PASSWORD}\noutput = {written}")
+    with pytest.raises(ShardError) as failure, open_url("http://127.0.0.1:9/x", timeout=10) as s:
+        s.read()
+    assert str(failure.value) == (
+        f"refusing {AUTHORIZATION_ENV}: it holds a line break or a NUL character, which would "
+        f"add curl settings; set it to the one header value (e.g. `Bearer <token>`)")
+    assert not written.exists()
 
 
 def test_a_manifest_whose_shard_file_is_not_a_shard_name_is_refused_in_one_line(
