@@ -317,6 +317,34 @@ def test_a_takeover_gives_back_a_live_lock_taken_over_meanwhile(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
 
 
+def test_a_lock_a_third_run_took_before_the_put_back_is_named_in_an_error(tmp_path, caplog):
+    """A takeover moved a live lock away (taken over after its look) and, before it could put it
+    back, a third run linked LOCK: the live run has lost its lock, and the line names both."""
+    write_lock(tmp_path, heartbeat_age=STALE_SECONDS + 30, host="node-7",
+               machine="another-node", pid=4242)
+    lock = RunDirLock(tmp_path)
+    judge, read = lock._gone, lock._read
+
+    def others_takeover_meanwhile(holder: Holder, age: float) -> str | None:
+        why = judge(holder, age)
+        write_lock(tmp_path, host="node-8", machine="yet-another-node", pid=4343)
+        return why
+
+    def third_run_links_meanwhile(path: Path | None = None) -> tuple[Holder | None, float]:
+        found = read(path)
+        if path is not None:  # the lock moved away is being looked at: LOCK is free
+            write_lock(tmp_path, host="node-9", machine="a-third-node", pid=4444)
+        return found
+
+    lock._gone, lock._read = others_takeover_meanwhile, third_run_links_meanwhile
+    with caplog.at_level(logging.ERROR, logger="trainer.run_lock"), pytest.raises(RunDirInUse):
+        lock.acquire()
+    assert re.search(rf"run_dir {tmp_path}: cannot put back the lock of host node-8 pid 4343 "
+                     r"\(since .*\), moved away while judged: host node-9 pid 4444 "
+                     r"\(since .*\) took the lock file meanwhile", caplog.text), caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
+
+
 def test_a_run_whose_lock_was_taken_fails_after_its_step(tmp_path, caplog):
     """The heartbeat finding another run's lock ends the run with an error at the next step's
     check, before a SIGTERM's stop with a checkpoint, and leaves the other run's lock alone."""
@@ -391,19 +419,28 @@ def test_heartbeats_are_timed_by_the_filesystems_clock(tmp_path, monkeypatch):
 
 
 def test_a_lock_moved_away_and_back_by_a_takeover_attempt_does_not_stop_the_run(tmp_path):
-    """A run judging our lock renames it away and, finding it live, puts it back: a heartbeat
-    that falls in between looks again before stopping; a lock that stays gone stops the run."""
+    """A run judging our lock renames it away and, finding it live, puts it back, 2 s later on a
+    slow NFS server: a heartbeat that falls in between looks again LOOK_AGAIN_SECONDS later."""
     lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
     path, moved = tmp_path / LOCK, tmp_path / "LOCK.stale.other"
     with stop_on_sigterm():
         lock.acquire()
         os.rename(path, moved)
-        time.sleep(0.2)
+        time.sleep(2)
         os.link(moved, path)
         moved.unlink()
-        time.sleep(1.5)
+        time.sleep(3.5)  # 5.5 s after the move: past the heartbeat's second look
         assert stop_requested(tmp_path, CPU) is None
-        path.unlink()
+        assert lock._heartbeat.is_alive()
+        lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_lock_that_stays_gone_fails_the_run(tmp_path):
+    lock = RunDirLock(tmp_path, heartbeat_seconds=0.05, look_again_seconds=0.1)
+    with stop_on_sigterm():
+        lock.acquire()
+        (tmp_path / LOCK).unlink()
         lock._heartbeat.join(timeout=5)
         with pytest.raises(RunDirLost, match=r"is no longer this run's \(gone\)"):
             stop_requested(tmp_path, CPU)

@@ -18,10 +18,12 @@ A lock whose holder is gone is taken over, with a warning:
   job id) and its heartbeat has stopped (OWN_JOB_STALE_SECONDS): a torchrun restart or a requeue
   whose previous rank 0 died holding it, perhaps on another node.
 A takeover renames the judged file away and checks by its token that it moved that very file
-(not a lock another run took over meanwhile, which it puts back), so two runs taking over
-together cannot both win. A run suspended (SIGSTOP) for longer than STALE_SECONDS loses its lock
-to a run on another node; its heartbeat then ends it after the step with RunDirLost, saving
-nothing there (trainer/preemption.py `fail_after_step`), and leaves the other run's lock alone.
+(not a lock another run took over meanwhile, which it puts back, logging an error naming both
+if a third run took LOCK before that), so two runs taking over together cannot both win. A
+heartbeat finding LOCK missing looks again LOOK_AGAIN_SECONDS later (a slow move and put-back).
+A run suspended (SIGSTOP) for longer than STALE_SECONDS loses its lock to a run on another node;
+its heartbeat then ends it after the step with RunDirLost, saving nothing there
+(trainer/preemption.py `fail_after_step`), and leaves the other run's lock alone.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ LOCK = "LOCK"
 HEARTBEAT_SECONDS = 20.0
 STALE_SECONDS = 300.0  # a heartbeat this old means its holder on another node is gone
 OWN_JOB_STALE_SECONDS = 3 * HEARTBEAT_SECONDS
-LOOK_AGAIN_SECONDS = 1.0  # a missing LOCK, maybe moved away and back by a takeover attempt
+LOOK_AGAIN_SECONDS = 5.0  # a missing LOCK, maybe moved away and back by a takeover attempt
 
 
 class RunDirInUse(RuntimeError):
@@ -113,14 +115,21 @@ def _runs(holder: Holder) -> bool:
     return True
 
 
+def _named(holder: Holder | None) -> str:
+    """A holder as the log lines name it."""
+    return f"host {holder.host} pid {holder.pid} (since {holder.since})" if holder else "nobody"
+
+
 class RunDirLock:
     """`<run_dir>/LOCK` held by this process: `acquire` (raises RunDirInUse naming a live
     holder), a heartbeat thread while held, `release`."""
 
-    def __init__(self, run_dir: str | Path, heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
+    def __init__(self, run_dir: str | Path, heartbeat_seconds: float = HEARTBEAT_SECONDS,
+                 look_again_seconds: float = LOOK_AGAIN_SECONDS) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK
         self.heartbeat_seconds = heartbeat_seconds
+        self.look_again_seconds = look_again_seconds
         self.holder = Holder.me()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -207,13 +216,23 @@ class RunDirLock:
             os.rename(self.path, moved)
         except FileNotFoundError:  # another run took it over first
             return
-        if self._read(moved)[0] != holder:  # its token says: another run's lock, taken over
-            with contextlib.suppress(FileExistsError):  # in between: give it back
-                os.link(moved, self.path)
+        live = self._read(moved)[0]
+        if live != holder:  # its token says: another run's lock, taken over in between
+            self._put_back(moved, live)
         else:
             log.warning("run_dir %s: taking over the lock of host %s pid %s (since %s): %s",
                         self.run_dir, holder.host, holder.pid, holder.since, gone)
         moved.unlink()
+
+    def _put_back(self, moved: Path, live: Holder | None) -> None:
+        """Give back `live`'s lock, moved away to `moved`; if a third run linked LOCK meanwhile,
+        `live` has lost it (its heartbeat will fail its run): an error naming both."""
+        try:
+            os.link(moved, self.path)
+        except FileExistsError:
+            log.error("run_dir %s: cannot put back the lock of %s, moved away while judged: %s "
+                      "took the lock file meanwhile; that run, having lost its lock, fails at "
+                      "its next heartbeat", self.run_dir, _named(live), _named(self._read()[0]))
 
     def _gone(self, holder: Holder, age: float) -> str | None:
         """Why `holder` no longer holds the lock, or None while it does."""
@@ -233,7 +252,7 @@ class RunDirLock:
             try:
                 holder = self._read()[0]
                 if holder is None:  # a run that judged it live may be putting it back: look again
-                    if self._stop.wait(LOOK_AGAIN_SECONDS):
+                    if self._stop.wait(self.look_again_seconds):
                         return
                     holder = self._read()[0]
                 if holder != self.holder:
