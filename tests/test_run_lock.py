@@ -398,6 +398,40 @@ def test_a_training_whose_lock_was_taken_ends_failed_writing_nothing(tmp_path, s
     assert run.data.tags["error"] == f"RunDirLost: {lost.value}"
 
 
+def test_a_lock_taken_during_the_validation_fails_the_run_before_the_epochs_writes(
+        tmp_path, shards, monkeypatch):
+    """The lock lost while the epoch's validation runs: no history line, best model or
+    end-of-epoch checkpoint (nor its pruning) follows."""
+    from trainer.main import train
+    from trainer.train import Trainer
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    cfg = Config.from_dict({
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
+        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
+        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
+        "run": {"run_dir": str(run_dir), "log_every_steps": 1},
+    })
+    lock = RunDirLock(run_dir, heartbeat_seconds=0.05)
+    validate = Trainer.validate
+
+    def lock_taken_meanwhile(trainer: Trainer, epoch: int) -> dict[str, float]:
+        metrics = validate(trainer, epoch)
+        write_lock(run_dir, host="node-7", machine="another-node", pid=4242)
+        lock._heartbeat.join(timeout=5)
+        return metrics
+
+    monkeypatch.setattr(Trainer, "validate", lock_taken_meanwhile)
+    with stop_on_sigterm():
+        lock.acquire()
+        with pytest.raises(RunDirLost, match="no longer this run's"):
+            train(cfg, CPU, resume="latest")
+        lock.release()
+    assert not {"checkpoints", "history.jsonl", "best"} & {p.name for p in run_dir.iterdir()}
+    assert json.loads((run_dir / LOCK).read_text())["host"] == "node-7"
+
+
 def test_heartbeats_are_timed_by_the_filesystems_clock(tmp_path, monkeypatch):
     """On NFS a lock's mtime is the server's time: a local clock an hour ahead must not make a
     fresh lock look dead, nor one an hour behind a dead one alive. (Only the local clock can be

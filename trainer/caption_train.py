@@ -224,6 +224,7 @@ class CaptionTrainer:
             dev_perplexity[0] = perplexity(self.model, *self.dev)
         if self.ctx.world_size > 1:
             dist.broadcast(dev_perplexity, src=0)
+        stop_requested(self.run_dir, self.ctx)  # a lock lost meanwhile: RunDirLost, no writes
         metrics = {"perplexity": float(dev_perplexity[0]),
                    "train_perplexity": math.exp(train_nll)}
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0

@@ -232,6 +232,7 @@ class Trainer:
         checkpoint (all ranks)."""
         started = time.perf_counter()
         metrics = self.validate(epoch)
+        stop_requested(self.run_dir, self.ctx)  # a lock lost meanwhile: RunDirLost, no writes
         times = {"train_s": round(train_seconds, 1),
                  "val_s": round(time.perf_counter() - started, 1)}
         self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
