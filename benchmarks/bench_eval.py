@@ -37,8 +37,8 @@ run-to-run variation (+-80 MiB) is +-55 KiB an image; across 300 it would be +-2
         [--memory-limit 1.2] [--eval-images 100,400,1600] [--eval-limit 1.2]
         [--eval-per-image-kib 64] [--eval-cache /tmp/defrag-bench-eval]
 
-The default run takes about three minutes on a loaded 2-core machine (the first a little more: it
-makes the synthetic splits); --repeats 3 gives steadier times; --eval-images '' skips the
+The default run takes about three minutes on a 2-core machine (the first more: it makes the
+synthetic splits, 2,100 images); --repeats 3 gives steadier times; --eval-images '' skips the
 evaluation.
 """
 
