@@ -15,6 +15,19 @@ from trainer.tracking import Tracker
 from trainer.train import Trainer
 
 
+def small_config(shards: Path, run_dir: Path, **sections: dict) -> Config:
+    """One epoch of 10 steps (batch 20) of a 16-d model on 64 px images with the CNN fixed;
+    `sections` (e.g. `optim={"epochs": 2}`) override keys of their section."""
+    base = {
+        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
+        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
+        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
+        "run": {"run_dir": str(run_dir)},
+    }
+    return Config.from_dict({key: {**base.get(key, {}), **sections.get(key, {})}
+                             for key in base.keys() | sections.keys()})
+
+
 def train_small(shards: Path, run_dir: Path, epochs: int, lr: float, model: dict | None = None,
                 objective: dict | None = None) -> Path:
     """Train on `shards` in this process with the CNN fixed and no tracking (64-d embeddings of

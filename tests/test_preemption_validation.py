@@ -12,8 +12,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from tests.small_training import small_config
 from trainer.checkpoint import latest_checkpoint, load_state
-from trainer.config import Config
 from trainer.distributed import DistContext
 from trainer.main import train
 from trainer.preemption import DONE, SIGTERM_EXIT, Preempted, stop_on_sigterm
@@ -27,12 +27,7 @@ def test_sigterm_during_validation_stops_with_the_epochs_checkpoint(
         tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
-    cfg = Config.from_dict({
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
-        "optim": {"batch_size": 20, "epochs": 2, "frozen_cnn_epochs": 2},
-        "run": {"run_dir": str(run_dir)},
-    })
+    cfg = small_config(shards, run_dir, optim={"epochs": 2, "frozen_cnn_epochs": 2})
     validate = Trainer.validate
 
     def sigterm_first(self: Trainer, epoch: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from tests.small_training import small_config
 from trainer.checkpoint import TrainState, latest_checkpoint, resume_changes
 from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
 from trainer.distributed import DistContext
@@ -26,16 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(run_dir: Path, shards: Path, **sections: dict) -> Config:
-    """One epoch of 10 steps of a tiny model, the CNN fixed (lr 0.003: epoch 1 beats epoch 0)."""
-    base = {
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
-        "optim": {"batch_size": 20, "lr": 0.003, "epochs": 1, "frozen_cnn_epochs": 5,
-                  "anneal_last_epochs": 0},
-        "run": {"run_dir": str(run_dir)},
-    }
-    return Config.from_dict({k: {**base.get(k, {}), **sections.get(k, {})}
-                             for k in base.keys() | sections.keys()})
+    """small_config with lr 0.003 (epoch 1 beats epoch 0) and the CNN fixed for 5 epochs."""
+    optim = {"lr": 0.003, "frozen_cnn_epochs": 5, "anneal_last_epochs": 0,
+             **sections.pop("optim", {})}
+    return small_config(shards, run_dir, optim=optim, **sections)
 
 
 def finished_run(run_dir: Path, shards: Path) -> dict:

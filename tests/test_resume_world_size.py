@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.small_training import small_config
 from trainer.checkpoint import (
     TrainState,
     checkpoints_dir,
@@ -29,13 +30,9 @@ CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 def make_config(run_dir: Path, shards: Path, engine: str) -> Config:
     """One epoch of 10 steps of a tiny model, the CNN fixed, a checkpoint after every step."""
-    return Config.from_dict({
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
-        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
-        "run": {"run_dir": str(run_dir), "keep_checkpoints": 20, "checkpoint_every_steps": 1,
-                "engine": engine, "deepspeed_config": str(ROOT / "launch/deepspeed/zero2.json")},
-    })
+    return small_config(shards, run_dir, run={
+        "run_dir": str(run_dir), "keep_checkpoints": 20, "checkpoint_every_steps": 1,
+        "engine": engine, "deepspeed_config": str(ROOT / "launch/deepspeed/zero2.json")})
 
 
 def two_ranks(rank: int, init_file: str, shards: str, run_dir: str, engine: str) -> None:

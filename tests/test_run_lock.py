@@ -25,9 +25,9 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from defrag.cli import describe
+from tests.small_training import small_config
 from tests.test_cli_errors import error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
-from trainer.config import Config
 from trainer.distributed import DistContext, end_process
 from trainer.preemption import DONE, RunDirLost, stop_on_sigterm, stop_requested
 from trainer.run_lock import (
@@ -376,12 +376,7 @@ def test_a_training_whose_lock_was_taken_ends_failed_writing_nothing(tmp_path, s
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
-    cfg = Config.from_dict({
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
-        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
-        "run": {"run_dir": str(run_dir), "log_every_steps": 1},
-    })
+    cfg = small_config(shards, run_dir, run={"run_dir": str(run_dir), "log_every_steps": 1})
     with stop_on_sigterm():
         lock = RunDirLock(run_dir, heartbeat_seconds=0.05)
         lock.acquire()
@@ -407,12 +402,7 @@ def test_a_lock_taken_during_the_validation_fails_the_run_before_the_epochs_writ
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
-    cfg = Config.from_dict({
-        "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True},
-        "data": {"shards": str(shards), "workers": 0, "shuffle_buffer": 10},
-        "optim": {"batch_size": 20, "epochs": 1, "frozen_cnn_epochs": 1},
-        "run": {"run_dir": str(run_dir), "log_every_steps": 1},
-    })
+    cfg = small_config(shards, run_dir, run={"run_dir": str(run_dir), "log_every_steps": 1})
     lock = RunDirLock(run_dir, heartbeat_seconds=0.05)
     validate = Trainer.validate
 
