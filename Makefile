@@ -26,14 +26,14 @@ test-fast: $(STAMP)
 # -> a search index of the val images, which the last line says how to serve.
 DEMO := runs/demo
 demo: $(STAMP)
-	$(BIN)/python -m featurizer synthetic --out $(DEMO)/data --shard-size 100
+	$(BIN)/defrag featurize synthetic --out $(DEMO)/data --shard-size 100
 	$(BIN)/torchrun --nproc_per_node 2 -m trainer.main --config launch/configs/demo.yaml
-	$(BIN)/python -m trainer.evaluate --model $(DEMO)/run/best --shards $(DEMO)/data --split val
-	$(BIN)/python -m trainer.index --model $(DEMO)/run/best --shards $(DEMO)/data --split val \
+	$(BIN)/defrag evaluate --model $(DEMO)/run/best --shards $(DEMO)/data --split val
+	$(BIN)/defrag index --model $(DEMO)/run/best --shards $(DEMO)/data --split val \
 	    --out $(DEMO)/index
 	@echo "MLflow UI: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(DEMO)/run/mlflow.db" \
 	     "--default-artifact-root $(DEMO)/run/mlartifacts, then open http://127.0.0.1:5000"
-	@echo "Search the demo collection in the browser: $(BIN)/python -m trainer.serve" \
+	@echo "Search the demo collection in the browser: $(BIN)/defrag serve" \
 	     "--index $(DEMO)/index, then open http://127.0.0.1:8000"
 
 lint: $(STAMP)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
-from trainer.caption_data import (
+from trainer.caption.captioner import Captioner, CaptionerParts, save_captioner
+from trainer.caption.data import (
     END_TAG,
     NUM_TAGS,
     Windows,
@@ -42,14 +43,13 @@ from trainer.caption_data import (
     start_id,
     unknown_id,
 )
-from trainer.caption_eval import embed_split
-from trainer.captioner import Captioner, CaptionerParts, save_captioner
+from trainer.caption.evaluate import embed_split
+from trainer.caption.scnlm import SCNLM
 from trainer.config import Config
+from trainer.data.reader import ReadOptions
+from trainer.data.shardset import load_vocabulary, train_split
 from trainer.model import DeFragModel
-from trainer.reader import ReadOptions
-from trainer.registry import save_model_folder
-from trainer.scnlm import SCNLM
-from trainer.shardset import load_vocabulary, train_split
+from trainer.store.registry import save_model_folder
 
 SINGLE = 50  # candidates decoded one at a time for the decode floor
 

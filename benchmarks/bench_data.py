@@ -2,13 +2,13 @@
 a loader process at least 90% of plain decode + resize), from local files and from a web server,
 and a rank's start-up time and memory as the training set grows (target: flat).
 
-(a) the loader: trainer.train_loader.TrainLoader in exact-epoch mode with --workers loader
+(a) the loader: trainer.data.train_loader.TrainLoader in exact-epoch mode with --workers loader
     processes, timed from the start of an epoch to its last collated Batch (process start-up,
     shard streaming, tar parsing, JSON, caption encoding, decoding and the hand-over included);
     images/s as the training loop gets them, and the CPU time the training process spends per
     image (receiving, pairing, shuffling, collating).
 (b) plain decoding: the same image bytes, read from the shards into memory first, decoded one
-    after another in this process by trainer.reader.decode_image (PIL open, draft, convert to
+    after another in this process by trainer.data.reader.decode_image (PIL open, draft, convert to
     RGB, resize to --image-size: exactly the loader's decode), images/s.
 (a') the loader processes alone: the same shards streamed and decoded by --workers loader
     processes whose chunks this process receives and drops (no pairing, shuffling, collation):
@@ -74,16 +74,16 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.batch import CaptionedImage
 from trainer.config import Config
-from trainer.loader_processes import Chunk, run_in_processes
-from trainer.reader import (
+from trainer.data.loader_processes import Chunk, run_in_processes
+from trainer.data.reader import (
     CHUNK_IMAGES,
     PREFETCH_CHUNKS,
     SampleDecoder,
     decode_image,
     image_chunks,
 )
-from trainer.shardset import SplitShards, load_vocabulary, locate_split
-from trainer.train_loader import TrainLoader
+from trainer.data.shardset import SplitShards, load_vocabulary, locate_split
+from trainer.data.train_loader import TrainLoader
 
 TARGET = 0.9
 PLAIN_IMAGES = 500  # images of each plain decoding pass around a loader measurement
@@ -201,7 +201,7 @@ def time_open_clip_pipeline(split: SplitShards, loader: TrainLoader, workers: in
 
 
 def time_plain_decode(images: list[bytes], size: int) -> dict:
-    """One pass of trainer.reader.decode_image over `images`, in this process."""
+    """One pass of trainer.data.reader.decode_image over `images`, in this process."""
     start, cpu = time.perf_counter(), time.process_time()
     for data in images:
         decode_image(data, size)
@@ -325,8 +325,8 @@ STARTUP_CHILD = """
 import json, sys, time
 start = time.perf_counter()
 from trainer.config import Config
-from trainer.shardset import load_vocabulary
-from trainer.train_loader import TrainLoader
+from trainer.data.shardset import load_vocabulary
+from trainer.data.train_loader import TrainLoader
 imported = time.perf_counter()
 cfg = Config.from_dict({"data": {"shards": sys.argv[1], "workers": 1},
                         "model": {"image_size": 64}})

@@ -37,10 +37,10 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.batch import Batch, collate
 from trainer.config import Config
+from trainer.data.reader import SampleDecoder, read_images
+from trainer.data.shardset import load_vocabulary, train_split
 from trainer.encoders import NAMES, dtrnn, encoder_class
 from trainer.objectives import image_sentence_scores
-from trainer.reader import SampleDecoder, read_images
-from trainer.shardset import load_vocabulary, train_split
 from trainer.wordvecs import embedding_matrix
 
 CONFIGS = Path(__file__).resolve().parent.parent / "launch" / "configs"

@@ -19,7 +19,7 @@ machine hits both alike; wall-clock and process CPU seconds (all threads) are bo
 time being the steadier one under contention.
 
 Evaluation memory (target: bounded beyond the arrays that grow with the split): the real
-`python -m trainer.evaluate --model DIR --shards DIR --split val` process (streaming, decoding,
+`defrag evaluate --model DIR --shards DIR --split val` process (streaming, decoding,
 CNN, embedding, scoring, metrics) on featurizer-made synthetic splits of each of --eval-images
 images (5 captions each, given boxes), made once under --eval-cache with an untrained model folder
 of the default sizes. Its peak is the child's ru_maxrss from wait4 (the largest of it and its
@@ -62,7 +62,9 @@ from defrag.vocab import Vocabulary
 from trainer.config import Config
 from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
-from trainer.registry import save_model_folder
+from trainer.store.registry import save_model_folder
+
+DEFRAG = str(Path(sys.executable).with_name("defrag"))  # the `defrag` command
 
 GIB, MIB = 2**30, 2**20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -169,7 +171,7 @@ def synthetic_split(cache: Path, images: int, vocab: Path | None) -> Path:
     (`vocab`: another split's vocab.json, so that one model reads them all)."""
     out = cache / f"val-{images}"
     if not (out / "manifest.json").is_file():
-        command = [sys.executable, "-m", "featurizer", "synthetic", "--num-train", "20",
+        command = [DEFRAG, "featurize", "synthetic", "--num-train", "20",
                    "--num-val", str(images), "--shard-size", "50", "--parser", "spacy",
                    "--boxes", "given", "--workers", "1", "--out", str(out)]
         made = subprocess.run(command + (["--vocab", str(vocab)] if vocab else []),
@@ -209,9 +211,9 @@ def inherent_bytes(shards: Path, dim: int) -> dict:
 
 
 def evaluate_peak(model: Path, shards: Path, dim: int) -> dict:
-    """Peak resident memory and wall time of `python -m trainer.evaluate` on the val split of
+    """Peak resident memory and wall time of `defrag evaluate` on the val split of
     `shards`, with the split's inherent bytes; exits when the evaluation fails."""
-    command = [sys.executable, "-m", "trainer.evaluate", "--model", str(model), "--shards",
+    command = [DEFRAG, "evaluate", "--model", str(model), "--shards",
                str(shards), "--split", "val"]
     with tempfile.TemporaryFile("w+") as output:
         wall = time.perf_counter()
@@ -222,7 +224,7 @@ def evaluate_peak(model: Path, shards: Path, dim: int) -> dict:
         output.seek(0)
         lines = output.read().splitlines()
     if child.returncode:
-        sys.exit(f"python -m trainer.evaluate failed on {shards} (exit {child.returncode}): "
+        sys.exit(f"defrag evaluate failed on {shards} (exit {child.returncode}): "
                  f"{lines[-1] if lines else 'no output'}")
     row = {**inherent_bytes(shards, dim), "seconds": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
     row["working_bytes"] = row["peak_rss_bytes"] - row["inherent_bytes"]

@@ -1,4 +1,4 @@
-"""Two-stage search (trainer/index.py) against the exact scan: agreement, latency, memory.
+"""Two-stage search (trainer/search/index.py) against the exact scan: agreement, latency, memory.
 
     # 1. the share of queries whose exact top 10 the two-stage search returns unchanged, per K,
     #    on a real index (every indexed sentence queries the images, every image the sentences)
@@ -27,8 +27,8 @@ import numpy as np
 import psutil
 import torch
 
-from trainer.fragment_set import FragmentSet, rank
-from trainer.index import (
+from trainer.search.fragment_set import FragmentSet, rank
+from trainer.search.index import (
     INDEX_FORMAT,
     IVF_PROBE,
     SearchIndex,

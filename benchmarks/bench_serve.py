@@ -1,7 +1,7 @@
-"""Queries per second of the search web app (trainer/serve.py) with concurrent clients on
+"""Queries per second of the search web app (trainer/search/serve.py) with concurrent clients on
 localhost, against one client's rate measured in the same run (the floor a server must keep).
 
-The server runs as `python -m trainer.serve` in its own process; each client is a thread of this
+The server runs as `defrag serve` in its own process; each client is a thread of this
 one with a keep-alive connection, sending GET /api/search for the index's sentences in turn.
 Each phase stops at --queries queries or --seconds seconds, whichever comes first. Latency is
 per request at the client (p50, p95); the server's CPU time shows how many cores it kept busy.
@@ -30,6 +30,8 @@ from pathlib import Path
 import psutil
 import requests
 
+DEFRAG = str(Path(sys.executable).with_name("defrag"))  # the `defrag` command
+
 WARM_UP = 5  # queries before timing: the server loads its parser on the first one
 
 
@@ -53,10 +55,10 @@ def free_port() -> int:
 
 def start_server(index: Path, port: int, *options: str, code: Path | None = None
                  ) -> subprocess.Popen:
-    """`python -m trainer.serve` on `port` with `options`, once /api/info answers; `code`: the
+    """`defrag serve` on `port` with `options`, once /api/info answers; `code`: the
     project tree it runs from (default: this one's, as installed)."""
     env = None if code is None else {**os.environ, "PYTHONPATH": str(code)}
-    server = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--index", str(index),
+    server = subprocess.Popen([DEFRAG, "serve", "--index", str(index),
                                "--port", str(port), *options], stderr=subprocess.PIPE, text=True,
                               env=env, cwd=code)
     deadline = time.monotonic() + 300

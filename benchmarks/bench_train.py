@@ -30,14 +30,14 @@ import torch.multiprocessing as mp
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
-from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.distributed import DistContext
+from trainer.data.shardset import load_vocabulary
+from trainer.data.train_loader import make_train_loader
 from trainer.model import DeFragModel
-from trainer.shardset import load_vocabulary
-from trainer.tracking import Tracker
-from trainer.train import Trainer
-from trainer.train_loader import make_train_loader
+from trainer.store.tracking import Tracker
+from trainer.training.checkpoint import TrainState
+from trainer.training.distributed import DistContext
+from trainer.training.loop import Trainer
 
 
 def make_config(shards: str, batch: int, image_size: int, val_split: str, device: str,

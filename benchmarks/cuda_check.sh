@@ -7,8 +7,8 @@
 #   3. benchmarks/bench_train.py on the GPU, float32 and bf16;
 #   4. benchmarks/bench_cnn_batch.py: a new CNN batch size's first pass, padded and not.
 # Usage: bash benchmarks/cuda_check.sh TEST_SHARDS BENCH_SHARDS [LOGS]
-#   TEST_SHARDS: `python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`;
-#   BENCH_SHARDS: `python -m featurizer synthetic --num-train 200 --num-val 20 --shard-size 50`.
+#   TEST_SHARDS: `defrag featurize synthetic --num-train 40 --num-val 10 --shard-size 5`;
+#   BENCH_SHARDS: `defrag featurize synthetic --num-train 200 --num-val 20 --shard-size 50`.
 set -euo pipefail
 test_shards=$1 bench_shards=$2 out=${3:-/tmp/cuda-check}
 work=$(mktemp -d)  # the run and its MLflow store
@@ -31,7 +31,7 @@ torchrun --nproc_per_node 1 -m trainer.main --config launch/configs/demo.yaml \
     data.shards=http://127.0.0.1:8765 run.run_dir="$work/run" run.device=cuda run.bf16=true \
     data.workers=4 optim.epochs=4 optim.frozen_cnn_epochs=2 2>&1 \
     | tr '\r' '\n' | grep -v "it/s]\|s/it]" | tee "$out/train.log" | tail -5 || status=1
-python -m trainer.evaluate --model "$work/run/best" --shards http://127.0.0.1:8765 --split val \
+defrag evaluate --model "$work/run/best" --shards http://127.0.0.1:8765 --split val \
     --device cuda 2>&1 | tail -2 || status=1
 echo "shards fetched: $(grep -c 'GET /train/' "$out/http.log") train, \
 $(grep -c 'GET /val/' "$out/http.log") val"

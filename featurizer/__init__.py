@@ -1,11 +1,11 @@
-"""The featurizer (`python -m featurizer`): captioned images -> the WebDataset shards the trainer
+"""The featurizer (`defrag featurize`): captioned images -> the WebDataset shards the trainer
 streams.
 
 Modules, in the order data flows: `sources` (read a dataset into `records`), `images` (read and
 check one image), `parsing` (captions -> tokens and dependency triplets), `boxes` (image ->
 region boxes), `shards` (one shard written atomically), `vocabulary` (dictionary and relation
 table rules), `pipeline` (the parallel, resumable run and its manifest), `synthetic` (a generated
-demo dataset), `__main__` (the CLI).
+demo dataset), `command` (the CLI, `defrag featurize`).
 
 Output layout (format version `defrag.shard_format.FORMAT_VERSION`):
 
@@ -66,6 +66,6 @@ its own relation (`parsing` has the details). The triplets are unchanged by the 
 that touches punctuation is still left out of them.
 
 Format versions: 1 = without "tree" (still read by the trainer, enough for the fragment
-encoder; encoders that need trees refuse it through `trainer.shardset.require_trees`); 2 = with
+encoder; encoders that need trees refuse it through `trainer.data.shardset.require_trees`); 2 = with
 "tree". A re-run over an output folder of another format rewrites every shard.
 """

@@ -24,7 +24,7 @@ def caption_tokens(shards_dir: str | Path, split: str = "train") -> Iterator[lis
     shards = sorted((Path(shards_dir) / split).glob("*.tar"))
     if not shards:
         raise FileNotFoundError(f"no shards in {Path(shards_dir) / split}: featurize the "
-                                f"dataset first (python -m featurizer ...)")
+                                f"dataset first (defrag featurize ...)")
     for shard in shards:
         with tarfile.open(shard) as tar:
             for member in tar:

@@ -17,7 +17,7 @@ Stages, each skipped when its output is already there:
 2. word2vec vectors from the training captions (rows that use them);
 3. train each row: `torchrun --nproc_per_node 1 -m trainer.main` with its config + overrides,
    its own run directory under runs/table2/ (phase-1 CNN features cached once for all rows);
-4. evaluate the row's best model on dev with `python -m trainer.evaluate`.
+4. evaluate the row's best model on dev with `defrag evaluate`.
 Writes runs/table2/results.json (metrics, wall times, per-epoch history) and
 runs/table2/results.md (the tables of docs/results.md, beside the papers' figures).
 """
@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.evaluate import retrieval_metrics
-from trainer.preemption import DONE as PREEMPTED
+from trainer.training.preemption import DONE as PREEMPTED
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -53,7 +53,7 @@ DEV_SCORES = "dev-scores.safetensors"  # a row's dev score matrix (to choose ens
 
 
 def featurize_command(out: str, boxes: str) -> list[str]:
-    return [str(BIN / "python"), "-m", "featurizer", "flickr", "--root", "../shared/flickr8k",
+    return [str(BIN / "defrag"), "featurize", "flickr", "--root", "../shared/flickr8k",
             "--out", out, "--parser", "spacy", "--boxes", boxes, "--splits", "train", "dev",
             "--shard-size", "250", "--workers", "2"]
 
@@ -208,7 +208,7 @@ ROWS.update({f"{name}_lite0": Row(f"{ROWS[name].title}, EfficientNet-Lite0",
 
 @dataclass
 class Ensemble:
-    """Rows' best models scored together (trainer.registry ensemble): the mean of the members'
+    """Rows' best models scored together (trainer.store.registry ensemble): the mean of the members'
     scores, plus a `fused` row's scores (another score, e.g. eq. 6) with a weight chosen on dev."""
 
     title: str
@@ -269,7 +269,7 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
     (ROOT / run_dir).mkdir(parents=True, exist_ok=True)
     for vectors, dim in WORD_VECTORS.items():
         if any(vectors in item for item in row.overrides) and not (ROOT / vectors).is_file():
-            run([str(BIN / "python"), "-m", "featurizer", "wordvecs", "--shards", row.shards,
+            run([str(BIN / "defrag"), "featurize", "wordvecs", "--shards", row.shards,
                  "--out", vectors, "--dim", str(dim)])
     (ROOT / run_dir / PREEMPTED).unlink(missing_ok=True)  # an earlier stop's, resumed now
     train_s = run([str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.main",
@@ -289,7 +289,7 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
 def evaluate_on_dev(model: Path, shards: str, scores: Path) -> str:
     """`trainer.evaluate` of a model (or ensemble) folder on dev: its output, the last line JSON;
     the score matrix saved to `scores`."""
-    evaluate = [str(BIN / "python"), "-m", "trainer.evaluate", "--model", str(model),
+    evaluate = [str(BIN / "defrag"), "evaluate", "--model", str(model),
                 "--shards", shards, "--split", "dev", "--save-scores", str(scores)]
     return subprocess.run(evaluate, check=True, cwd=ROOT, capture_output=True, text=True).stdout
 
@@ -356,7 +356,7 @@ def build_ensemble(name: str, ensemble: Ensemble, results: dict) -> None:
     total = sum(weights)
     weights = [w / total for w in weights]
     register_name = ensemble.register_name or f"defrag-flickr8k-{name}"
-    run([str(BIN / "python"), "-m", "trainer.registry", "ensemble",
+    run([str(BIN / "defrag"), "registry", "ensemble",
          *(str(RUNS / row / "best") for row in rows), "--weights", *map(str, weights),
          "--out", str(folder), "--name", register_name, "--tracking-uri",
          f"sqlite:///{RUNS / name / 'mlflow.db'}"])

@@ -5,9 +5,9 @@ its sentence vectors -> captions of the dev images, measured beside two baseline
 
 Stages, each skipped when its output is already there:
 1. the kiros_lstm_tuned row of launch/flickr8k.py (featurizing, word vectors, training);
-2. `torchrun --nproc_per_node 1 -m trainer.caption_train --config CONFIG`: runs/captioner/flickr8k,
+2. `torchrun --nproc_per_node 1 -m trainer.caption.train --config CONFIG`: runs/captioner/flickr8k,
    its best captioner registered as models:/defrag-captioner@champion;
-3. `python -m trainer.caption_eval` on the dev split: every caption and figure in dev-captions.json,
+3. `defrag caption-eval` on the dev split: every caption and figure in dev-captions.json,
    the example picture docs/flickr8k-captions.jpg.
 Writes runs/captioner/flickr8k/results.md (the table of docs/results.md) with each stage's time.
 """
@@ -60,12 +60,12 @@ def main() -> None:
     (ROOT / RUN).mkdir(parents=True, exist_ok=True)
     if not (ROOT / RUN / "best").is_dir():
         times["captioner_train_s"] = run(
-            [str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.caption_train",
+            [str(BIN / "torchrun"), "--nproc_per_node", "1", "-m", "trainer.caption.train",
              "--config", CONFIG, "--resume", "latest"], ROOT / RUN / "train.log")
     out = RUN / "dev-captions.json"
     extra = [*(["--images", str(args.images)] if args.images else []),
              *(["--candidates", str(args.candidates)] if args.candidates else [])]
-    times["caption_dev_s"] = run([str(BIN / "python"), "-m", "trainer.caption_eval", "--model",
+    times["caption_dev_s"] = run([str(BIN / "defrag"), "caption-eval", "--model",
                                   str(RUN / "best"), "--shards", SHARDS, "--split", "dev",
                                   "--out", str(out), "--picture", PICTURE, *extra],
                                  ROOT / RUN / "eval.log")

@@ -19,7 +19,7 @@ NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val 
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`python -m featurizer synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
+    """`defrag featurize synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
     if os.environ.get("DEFRAG_TEST_SHARDS"):
         return Path(os.environ["DEFRAG_TEST_SHARDS"])
     root = tmp_path_factory.mktemp("synthetic")

@@ -1,4 +1,4 @@
-"""A small photo collection to search, for the web app's tests and benchmark (trainer/serve.py):
+"""A small photo collection to search, for the web app's tests and benchmark (trainer/search/serve.py):
 generated scenes, a fragments model really trained on them by the project's Trainer (about 20 s
 on one thread), its search index, and a caption the model ranks its own image first for.
 
@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 import uvicorn
 
-import trainer.index
+import trainer.search.index
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests.small_training import train_small
 from tests.test_arithmetic import one_thread
-from trainer.embedder import embed_images, embed_sentences, load_embedder
-from trainer.fragment_set import rank
 from trainer.model import DeFragModel
-from trainer.registry import load_model_folder, save_model_folder
+from trainer.search.embedder import embed_images, embed_sentences, load_embedder
+from trainer.search.fragment_set import rank
+from trainer.store.registry import load_model_folder, save_model_folder
 
 NUM_TRAIN, NUM_VAL, EPOCHS = 300, 16, 10
 MIN_MARGIN = 0.5  # the chosen caption's own image beats the next one by this much (eq. 6)
@@ -71,7 +71,7 @@ def build_world(root: Path) -> SearchWorld:
             captions[path.name] = record["captions"]
         sentences = root / "sentences.txt"
         sentences.write_text("".join(f"{c}\n" for cs in captions.values() for c in cs))
-        trainer.index.main(["--model", str(model_dir), "--images", str(photos), "--sentences",
+        trainer.search.index.main(["--model", str(model_dir), "--images", str(photos), "--sentences",
                             str(sentences), "--out", str(root / "index"), "--workers", "1"])
         query, expected, margin = clearest_caption(model_dir, photos, captions)
     if margin < MIN_MARGIN:

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from defrag.vocab import Vocabulary
-from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.distributed import DistContext
 from trainer.model import DeFragModel
-from trainer.tracking import Tracker
-from trainer.train import Trainer
+from trainer.store.tracking import Tracker
+from trainer.training.checkpoint import TrainState
+from trainer.training.distributed import DistContext
+from trainer.training.loop import Trainer
 
 
 def small_config(shards: Path, run_dir: Path, **sections: dict) -> Config:

@@ -1,4 +1,4 @@
-"""Kiros et al.'s multimodal vector arithmetic (trainer/arithmetic.py) on a really trained model:
+"""Kiros et al.'s multimodal vector arithmetic (trainer/search/arithmetic.py) on a really trained model:
 a linear-encoder model learns generated scenes, then for every val image, every colour c it shows
 and every colour c' it does not, the query image - "c" + "c'" ranks the val images, and the
 images with colour c' fill its top 10 far above chance.
@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.retrieve as retrieve
+import trainer.search.retrieve as retrieve
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
 from tests.small_training import train_small
-from trainer.arithmetic import arithmetic_scores, term_vectors
-from trainer.embedder import embed_images, load_embedder
-from trainer.fragment_set import top_k
+from trainer.search.arithmetic import arithmetic_scores, term_vectors
+from trainer.search.embedder import embed_images, load_embedder
+from trainer.search.fragment_set import top_k
 
 pytestmark = pytest.mark.slow
 TOP = 10  # the images of each query that are checked for the added colour

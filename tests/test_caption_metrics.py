@@ -1,4 +1,4 @@
-"""Caption scores (trainer/caption_metrics.py): BLEU by hand, CIDEr and METEOR prefer the right
+"""Caption scores (trainer/caption/metrics.py): BLEU by hand, CIDEr and METEOR prefer the right
 caption, and ids that do not pair up are refused by name."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import shutil
 import psutil
 import pytest
 
-from trainer import caption_metrics
-from trainer.caption_metrics import caption_scores, system_scores, tokenize
+from trainer.caption import metrics as caption_metrics
+from trainer.caption.metrics import caption_scores, system_scores, tokenize
 
 REFERENCES = {
     "beach": ["A dog runs along the sandy beach.", "A brown dog running by the sea."],

@@ -24,7 +24,8 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, SHAPES, generate, make_scenes
 from tests.test_train_e2e import finish, tiny_config, torchrun
-from trainer.caption_data import (
+from trainer.caption.captioner import Captioner
+from trainer.caption.data import (
     END_TAG,
     TAG_INDEX,
     Windows,
@@ -33,15 +34,14 @@ from trainer.caption_data import (
     start_id,
     unknown_id,
 )
-from trainer.captioner import Captioner
-from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
-from trainer.distributed import DistContext
+from trainer.data.reader import ReadOptions
+from trainer.data.shardset import load_vocabulary, train_split
 from trainer.model import DeFragModel
-from trainer.preemption import REQUEST, Preempted
-from trainer.reader import ReadOptions
-from trainer.registry import ModelFolderError, save_model_folder, verify_model_folder
-from trainer.shardset import load_vocabulary, train_split
+from trainer.store.registry import ModelFolderError, save_model_folder, verify_model_folder
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext
+from trainer.training.preemption import REQUEST, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -95,7 +95,7 @@ def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object)
 @pytest.fixture(scope="module")
 def straight(shards, encoder, tmp_path_factory) -> tuple[Config, dict]:
     """A captioner run of 1 epoch, uninterrupted (its config and summary)."""
-    from trainer.caption_train import train
+    from trainer.caption.train import train
 
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -108,7 +108,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     """Stopped after its first step and resumed, a captioner run ends with exactly the weights of
     an uninterrupted one; it records perplexities in MLflow and registers a folder that
     verifies, and refuses an encoder that is not the one it records."""
-    from trainer.caption_train import train
+    from trainer.caption.train import train
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg, summary = straight
@@ -164,7 +164,7 @@ def test_generation_is_deterministic_with_a_seed(straight):
 
 def test_a_retrieval_model_is_not_a_captioner(tmp_path, shards, encoder, monkeypatch):
     """caption.encoder must be a whole-sentence encoder; a wrong one fails in one line."""
-    from trainer.caption_train import train
+    from trainer.caption.train import train
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = caption_config(tmp_path, shards, tmp_path / "nothing-here")
@@ -232,15 +232,15 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     cfg = caption_config(tmp_path, scenes_200, encoder_run / "run" / "best", epochs=6)
     config.write_text(json.dumps(cfg.to_dict()))
     summary = json.loads(run_module("torch.distributed.run", "--nproc_per_node", "2", "-m",
-                                    "trainer.caption_train", "--config",
+                                    "trainer.caption.train", "--config",
                                     str(config)).strip().splitlines()[-1])
     assert summary["best_dev_perplexity"] < 5, summary  # a templated language
 
     downloaded = tmp_path / "downloaded"
-    run_module("trainer.registry", "download", "models:/defrag-captioner@champion", "--dst",
+    run_module("trainer.store.registry", "download", "models:/defrag-captioner@champion", "--dst",
                str(downloaded), "--tracking-uri", summary["tracking_uri"])
     measured = tmp_path / "val.json"
-    run_module("trainer.caption_eval", "--model", str(downloaded), "--shards", str(scenes_200),
+    run_module("trainer.caption.evaluate", "--model", str(downloaded), "--shards", str(scenes_200),
                "--split", "val", "--out", str(measured))
     results = json.loads(measured.read_text())
     scenes = make_scenes(VAL_SCENES, seed=0, split="val")
@@ -256,7 +256,7 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     assert {"BLEU-4", "METEOR", "retrieval"} <= set(systems["generated"])
 
     images = sorted((scenes_200 / "source" / "images").glob("val_*.png"))[:3]
-    described = json.loads(run_module("trainer.caption", "--model", str(downloaded), "--json",
+    described = json.loads(run_module("trainer.caption.describe", "--model", str(downloaded), "--json",
                                       *map(str, images)))
     assert [row["image"] for row in described] == [image.name for image in images]
     assert all(len(row["captions"]) == 5 and row["nearest_sentence"] for row in described)

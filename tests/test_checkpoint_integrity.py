@@ -1,4 +1,4 @@
-"""Damaged checkpoints (trainer/checkpoint.py) with real tiny trainings: every checkpoint carries
+"""Damaged checkpoints (trainer/training/checkpoint.py) with real tiny trainings: every checkpoint carries
 checksums written last; `--resume latest` skips a damaged newest checkpoint, saying which and why,
 and resumes the newest intact one; an explicit damaged `--resume DIR` fails with one line naming
 the file; a disk that fills up while a checkpoint is written leaves the previous one `latest`."""
@@ -18,12 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import trainer.train
-from trainer.checkpoint import CheckpointError, checkpoints_dir, latest_checkpoint, load_state
+import trainer.training.loop
 from trainer.config import Config
-from trainer.distributed import DistContext, end_process
 from trainer.main import find_checkpoint, train
-from trainer.preemption import REQUEST, Preempted
+from trainer.training.checkpoint import (
+    CheckpointError,
+    checkpoints_dir,
+    latest_checkpoint,
+    load_state,
+)
+from trainer.training.distributed import DistContext, end_process
+from trainer.training.preemption import REQUEST, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -173,7 +178,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_latest(small_disk: Path, shar
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     cfg = make_config(small_disk / "run", shards, checkpoint_every_steps=1)
-    real_save = trainer.train.save_checkpoint
+    real_save = trainer.training.loop.save_checkpoint
 
     def save_then_fill(engine, state, run_dir, rank, keep, config) -> Path:
         """After the first checkpoint, fill the disk but for half a checkpoint's bytes."""
@@ -185,7 +190,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_latest(small_disk: Path, shar
                     filler.write(bytes(1 << 20))
         return folder
 
-    monkeypatch.setattr(trainer.train, "save_checkpoint", save_then_fill)
+    monkeypatch.setattr(trainer.training.loop, "save_checkpoint", save_then_fill)
     with pytest.raises(CheckpointError) as error:
         train(cfg, CPU, resume="none")
     message = str(error.value)
@@ -196,7 +201,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_latest(small_disk: Path, shar
     assert latest_checkpoint(small_disk / "run") == step(small_disk / "run", 1)
 
     (small_disk / "filler").unlink()
-    monkeypatch.setattr(trainer.train, "save_checkpoint", real_save)
+    monkeypatch.setattr(trainer.training.loop, "save_checkpoint", real_save)
     caplog.set_level(logging.INFO)
     train_one_step(cfg)
     assert any(r.getMessage().startswith(f"resumed from {step(small_disk / 'run', 1)} ")

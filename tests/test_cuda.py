@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from tests.test_engines import PAIRS, make_config, step_parameters
 from trainer.batch import batches_on_device, collate
-from trainer.distributed import DistContext, init_distributed
+from trainer.data.reader import SampleDecoder, read_images
+from trainer.data.shardset import load_vocabulary, locate_split
 from trainer.model import DeFragModel
 from trainer.objectives import gather_global_batch
-from trainer.reader import SampleDecoder, read_images
-from trainer.shardset import load_vocabulary, locate_split
+from trainer.training.distributed import DistContext, init_distributed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

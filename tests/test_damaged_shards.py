@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from collections import Counter
 from collections.abc import Callable
@@ -32,14 +31,15 @@ from mlflow import MlflowClient
 
 from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
+from tests import DEFRAG
 from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import tiny_config, torchrun
-from trainer.eval_set import IncompleteSplit, load_eval_set
+from trainer.data.eval_set import IncompleteSplit, load_eval_set
+from trainer.data.reader import DataProblem
+from trainer.data.train_loader import TrainLoader
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
-from trainer.reader import DataProblem
-from trainer.registry import save_model_folder
-from trainer.train_loader import TrainLoader
+from trainer.store.registry import save_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SHARD = "train/shard-000003.tar"  # images__train_00015_png .. 00019
@@ -316,7 +316,7 @@ def test_a_shard_problem_found_after_a_chunk_boundary_is_kept(
     cfg = make_config(copy, {"verify_shards": "none"}, SMALL_MODEL)
     cfg.eval.allow_incomplete = True
     eval_set = load_eval_set(cfg, vocab, rank=0, world_size=1)
-    with caplog.at_level("WARNING", logger="trainer.reader"):
+    with caplog.at_level("WARNING", logger="trainer.data.reader"):
         _, line = evaluate_model(model, eval_set, cfg)
     found = f"shard {path}: 4 samples read, its manifest says 5: 1 lost"
     assert any(record.getMessage().startswith(found) for record in caplog.records)  # detected
@@ -336,7 +336,7 @@ def evaluate_command(folder: Path, shards: Path, *extra: str) -> subprocess.Comp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
-        [sys.executable, "-m", "trainer.evaluate", "--model", str(folder), "--shards",
+        [DEFRAG, "evaluate", "--model", str(folder), "--shards",
          str(shards), "--split", "val", *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -22,12 +22,12 @@ from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
 from trainer.batch import Batch, batches_on_device
 from trainer.config import Config
-from trainer.distributed import end_process
-from trainer.eval_set import load_eval_set
+from trainer.data.eval_set import load_eval_set
+from trainer.data.reader import image_key
+from trainer.data.shardset import locate_split
+from trainer.data.train_loader import TrainLoader, make_train_loader
 from trainer.evaluate import retrieval_metrics, score_matrix
-from trainer.reader import image_key
-from trainer.shardset import locate_split
-from trainer.train_loader import TrainLoader, make_train_loader
+from trainer.training.distributed import end_process
 
 SIZE = 64  # model.image_size in these tests; the synthetic images are 128 x 128
 
@@ -264,7 +264,7 @@ def test_an_undecodable_image_is_skipped_with_a_warning(
     rewrite_shard(copy / "val/shard-000000.tar", lambda s: {**s, "png": b"not an image"})
     cfg = make_config(copy, {"verify_shards": "none"})  # damage that keeps the tar readable
     loader, steps = make_train_loader(cfg, vocab, batch_size=10)
-    with caplog.at_level(logging.WARNING, logger="trainer.reader"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.reader"):
         seen = Counter(pair for batch in loader for pair in batch_pairs(batch))
     assert seen.total() == steps * 10 == 200
     assert len(seen) == 195 and all(image_id != bad_key for image_id, _ in seen)

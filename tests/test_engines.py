@@ -21,14 +21,14 @@ import torch.multiprocessing as mp
 
 from defrag.vocab import Vocabulary
 from trainer.batch import collate
-from trainer.checkpoint import TrainState
 from trainer.config import Config
-from trainer.distributed import DistContext, end_process
+from trainer.data.reader import SampleDecoder, read_images
+from trainer.data.shardset import locate_split
 from trainer.model import DeFragModel
-from trainer.reader import SampleDecoder, read_images
-from trainer.shardset import locate_split
-from trainer.tracking import Tracker
-from trainer.train import Trainer
+from trainer.store.tracking import Tracker
+from trainer.training.checkpoint import TrainState
+from trainer.training.distributed import DistContext, end_process
+from trainer.training.loop import Trainer
 
 # (image, caption) of the global batch; images 0 and 2 have captions on different ranks.
 PAIRS = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 3), (3, 1), (1, 2)]

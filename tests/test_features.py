@@ -12,7 +12,7 @@ import torch
 import defrag.images
 from defrag.vocab import Vocabulary
 from trainer.config import Config
-from trainer.features import FeatureCache, feature_stamp
+from trainer.data.feature_cache import FeatureCache, feature_stamp
 from trainer.model import DeFragModel
 
 

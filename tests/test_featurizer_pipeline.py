@@ -285,7 +285,7 @@ def test_cli_jsonl_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]) == 0
     assert "train: 3 images, 6 captions" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["created_by"]["command"].startswith("python -m featurizer jsonl --jsonl")
+    assert manifest["created_by"]["command"].startswith("defrag featurize jsonl --jsonl")
     (tmp_path / "f8k").mkdir()
     (tmp_path / "f8k/tokens.txt").write_text("a.jpg#0\tA dog .\n")
     (tmp_path / "f8k/train.txt").write_text("a.jpg\n")

@@ -1,4 +1,4 @@
-"""`python -m featurizer wordvecs`: word2vec vectors from the training captions of real shards."""
+"""`defrag featurize wordvecs`: word2vec vectors from the training captions of real shards."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One image decoder (defrag/images.py) behind every path that reads an image: the featurizer's
-(`featurizer.images.load_image`: boxes), the trainer's reader (`trainer.reader.decode_image`:
-training, evaluation, captioner) and the embedder's (`trainer.embedder.read_image`: index,
+(`featurizer.images.load_image`: boxes), the trainer's reader (`trainer.data.reader.decode_image`:
+training, evaluation, captioner) and the embedder's (`trainer.search.embedder.read_image`: index,
 retrieval, pyfunc, web app uploads). Every mode PIL opens becomes the expected 8-bit RGB, EXIF
 orientation is applied with the same pixels and oriented size on every path, and an image over
 the pixel bound is refused from its header, before decoding (tests/test_serve.py: the web app's
@@ -23,10 +23,10 @@ from featurizer.images import BadImage, load_image
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from trainer.config import Config, ModelConfig
-from trainer.embedder import Embedder, read_image
+from trainer.data.reader import BadSample, ReadOptions, SampleDecoder, decode_image, image_chunks
+from trainer.data.shardset import locate_split
 from trainer.model import DeFragModel
-from trainer.reader import BadSample, ReadOptions, SampleDecoder, decode_image, image_chunks
-from trainer.shardset import locate_split
+from trainer.search.embedder import Embedder, read_image
 
 WIDTH, HEIGHT = 16, 8
 WHITE = 255  # defrag.images.BACKGROUND: transparent pixels are shown over white

@@ -1,4 +1,4 @@
-"""trainer/index.py: a collection embedded once and searched in two stages. Built from an image
+"""trainer/search/index.py: a collection embedded once and searched in two stages. Built from an image
 folder and from shards, it scores as the exact scan and the evaluation do; its first stage is
 checked against a slow reference written from its definition (the mean rows' inner products);
 a build resumes from its finished units and two processes build what one does; bad queries and
@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.index as index
-import trainer.retrieve as retrieve
+import trainer.search.index as index
+import trainer.search.retrieve as retrieve
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
-from trainer.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
-from trainer.eval_set import load_eval_set
+from trainer.data.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, score_matrix
-from trainer.fragment_set import rank
-from trainer.registry import load_model_folder, save_ensemble
+from trainer.search.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
+from trainer.search.fragment_set import rank
+from trainer.store.registry import load_model_folder, save_ensemble
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
         build(*argv)
     assert not (tmp_path / "index" / "index.json").exists()
     monkeypatch.setattr(index, "_embed_unit", embed_unit)
-    caplog.set_level(logging.INFO, logger="trainer.index")
+    caplog.set_level(logging.INFO, logger="trainer.search.index")
     os.utime(images / world.names[1], ns=(0, 0))  # changed since: its unit is embedded again
     resumed = build(*argv)
     assert "resuming: 1 of 4 units embedded already" in caplog.text
@@ -206,7 +206,7 @@ def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_p
     (photos / "inside.png").symlink_to(first)
     (photos / "outside.png").symlink_to(secret)
     argv = ["--model", world.model_dir, "--images", photos, "--workers", "1", "--out"]
-    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+    with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
         meta = build(*argv, tmp_path / "index")
     assert meta["images"] == ["inside.png", first]
     named = [r.getMessage() for r in caplog.records if "outside.png" in r.getMessage()]
@@ -230,7 +230,7 @@ def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_p
 def test_an_index_of_an_earlier_decoder_is_opened_with_a_warning(folder_index: Path,
                                                                 tmp_path: Path, caplog) -> None:
     """Its stored embeddings came from other pixels than a new query's: say so, once."""
-    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+    with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
         index.SearchIndex.open(folder_index)
     assert "earlier image decoder" not in caplog.text
     old = tmp_path / "old"
@@ -238,7 +238,7 @@ def test_an_index_of_an_earlier_decoder_is_opened_with_a_warning(folder_index: P
     meta = json.loads((old / "index.json").read_text())
     del meta["decoder"]
     (old / "index.json").write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING, logger="trainer.index"):
+    with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
         index.SearchIndex.open(old)
     assert f"index {old} was built by an earlier image decoder (version 1" in caplog.text
 

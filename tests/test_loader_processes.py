@@ -1,4 +1,4 @@
-"""trainer/loader_processes.py: chunks handed over through the shared ring arrive whole and in
+"""trainer/data/loader_processes.py: chunks handed over through the shared ring arrive whole and in
 DataLoader's order; a failing, killed or abandoned loader process is reported or cleaned up; and a
 TrainLoader with a loader process yields exactly the batches it yields in one process."""
 
@@ -22,8 +22,8 @@ import torch
 from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
 from trainer.config import Config
-from trainer.loader_processes import Chunk, run_in_processes
-from trainer.train_loader import TrainLoader
+from trainer.data.loader_processes import Chunk, run_in_processes
+from trainer.data.train_loader import TrainLoader
 
 SHAPE = (5, 4, 3)
 CHUNKS = {0: 5, 1: 2, 2: 0}  # chunks each of 3 processes generates: they finish apart
@@ -86,7 +86,7 @@ def test_a_killed_loader_process_is_named() -> None:
 
 def test_a_loader_process_outlives_a_sigterm() -> None:
     """SLURM sends SIGTERM to every process of a job at its time limit: the loader processes go
-    on, so their training process reaches the step where it stops (trainer/preemption.py)."""
+    on, so their training process reaches the step where it stops (trainer/training/preemption.py)."""
     chunks = run_in_processes(numbered_chunks, 1, chunk_images=3, image_shape=SHAPE, prefetch=2)
     first = next(chunks)
     [child] = multiprocessing.active_children()
@@ -114,7 +114,7 @@ def test_loader_processes_exit_when_the_training_process_dies(tmp_path: Path) ->
     script = textwrap.dedent("""
         import multiprocessing, os
         from tests.test_loader_processes import SHAPE, endless_chunks
-        from trainer.loader_processes import run_in_processes
+        from trainer.data.loader_processes import run_in_processes
         chunks = run_in_processes(endless_chunks, 2, chunk_images=3, image_shape=SHAPE,
                                   prefetch=2)
         next(chunks)

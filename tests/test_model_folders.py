@@ -1,4 +1,4 @@
-"""Model folders (trainer/registry.py) that pass their checksums but must still be refused:
+"""Model folders (trainer/store/registry.py) that pass their checksums but must still be refused:
 pickled weights (a `torch.save` zip, a plain pickle) named by what they are, and symlinks that
 lead out of the folder."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.test_registry import VOCAB_WORDS, rewrite_checksums, tiny_model
-from trainer.registry import (
+from trainer.store.registry import (
     VOCAB,
     WEIGHTS,
     ModelFolderError,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
-from trainer.distributed import DistContext
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

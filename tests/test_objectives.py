@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.distributed import end_process
 from trainer.objectives import (
     DeFragLoss,
     gather_global_batch,
@@ -18,6 +17,7 @@ from trainer.objectives import (
     same_group_entries,
     sum_over_ranks,
 )
+from trainer.training.distributed import end_process
 
 
 def reference_pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth):

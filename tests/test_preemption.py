@@ -1,4 +1,4 @@
-"""Stop on request (trainer/preemption.py): rank 0's request file or SIGTERM to any rank decides
+"""Stop on request (trainer/training/preemption.py): rank 0's request file or SIGTERM to any rank decides
 for every rank, and a training run so stopped checkpoints, stops, and resumes from there to the
 end, under torchrun too."""
 
@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.test_train_e2e import finish, saved_step, tiny_config, torchrun
-from trainer.checkpoint import latest_checkpoint, load_state
 from trainer.config import Config
-from trainer.distributed import DistContext, end_process
-from trainer.preemption import (
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext, end_process
+from trainer.training.preemption import (
     DONE,
     REQUEST,
     SIGTERM,
@@ -113,7 +113,7 @@ def test_torchrun_sigtermed_mid_epoch_checkpoints_and_resumes(tmp_path, shards):
     """SIGTERM to torchrun and every process under it, as SLURM sends it at the time limit (and
     Kubernetes to torchrun alone, which sends it on): both ranks stop after the same step with a
     checkpoint, the MLflow run is KILLED, torchrun exits 1 as it always does after a SIGTERM
-    (trainer/preemption.py says why), and the run resumes from there to the end."""
+    (trainer/training/preemption.py says why), and the run resumes from there to the end."""
     from mlflow import MlflowClient
 
     config = tiny_config(tmp_path, shards, checkpoint_every_steps=2, log_every_steps=1)

@@ -1,4 +1,4 @@
-"""A SIGTERM during an epoch's validation (trainer/train.py): the run stops with the end-of-epoch
+"""A SIGTERM during an epoch's validation (trainer/training/loop.py): the run stops with the end-of-epoch
 checkpoint instead of starting the next epoch, and the resumed run records each epoch once."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 from mlflow import MlflowClient
 
 from tests.small_training import small_config
-from trainer.checkpoint import latest_checkpoint, load_state
-from trainer.distributed import DistContext
 from trainer.main import train
-from trainer.preemption import DONE, SIGTERM_EXIT, Preempted, stop_on_sigterm
-from trainer.train import Trainer
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext
+from trainer.training.loop import Trainer
+from trainer.training.preemption import DONE, SIGTERM_EXIT, Preempted, stop_on_sigterm
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -1,6 +1,6 @@
-"""trainer/pyfunc_model.py and the registry's MLflow models on a real sqlite store: a registered
+"""trainer/search/pyfunc_model.py and the registry's MLflow models on a real sqlite store: a registered
 model folder loads with `mlflow.pyfunc.load_model` (nothing unpickled) and answers the embedder's
-own vectors, in-process and through `mlflow models serve`; it searches a `trainer.index` index
+own vectors, in-process and through `mlflow models serve`; it searches a `trainer.search.index` index
 given as params, and refuses one built by another model; `download_model` still gives the plain
 model folder, also for a version registered before the pyfunc (no MLmodel)."""
 
@@ -26,25 +26,26 @@ import requests
 import torch
 from mlflow.exceptions import MlflowException
 
+from defrag.files import CHECKSUMS
 from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests.test_images import png_header
-from trainer.caption_data import Caption
-from trainer.captioner import CaptionerParts, save_captioner
+from trainer.caption.captioner import CaptionerParts, save_captioner
+from trainer.caption.data import Caption
+from trainer.caption.scnlm import SCNLM
 from trainer.config import Config, DataConfig, ModelConfig
-from trainer.embedder import (
+from trainer.model import DeFragModel
+from trainer.search.embedder import (
     Embedder,
     RetrievalError,
     embed_images,
     embed_sentences,
     load_embedder,
 )
-from trainer.files import CHECKSUMS
-from trainer.fragment_set import FragmentSet
-from trainer.model import DeFragModel
-from trainer.registry import (
+from trainer.search.fragment_set import FragmentSet
+from trainer.store.registry import (
     MLMODEL,
     download_model,
     load_model_folder,
@@ -53,8 +54,7 @@ from trainer.registry import (
     save_model_folder,
     verify_model_folder,
 )
-from trainer.scnlm import SCNLM
-from trainer.tracking import connect, experiment_id
+from trainer.store.tracking import connect, experiment_id
 
 REPO = Path(__file__).resolve().parents[1]
 UNKNOWN = "zebras juggle quietly"  # no word of it is in the vocabulary: no fragment
@@ -261,7 +261,7 @@ def test_old_style_logged_files_registered_again_reuse_their_version(store: Stor
 @pytest.fixture(scope="module")
 def index(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An index of the val images and captions, built with the model."""
-    from trainer.index import main as build_index
+    from trainer.search.index import main as build_index
 
     root = tmp_path_factory.mktemp("index")
     (root / "images").mkdir()
@@ -275,7 +275,7 @@ def index(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_params_search_an_index(store: Store, index: Path, tracking: None) -> None:
-    from trainer.index import SearchIndex
+    from trainer.search.index import SearchIndex
 
     model = mlflow.pyfunc.load_model("models:/defrag@champion",
                                      model_config={"indexes": {"photos": str(index)}})
@@ -339,7 +339,7 @@ def test_only_the_operators_indexes_are_opened_once_each(store: Store, index: Pa
     """A name of the configured set or a folder under the root, resolved: 40 spellings of one
     index open it once; `..`, an absolute path out, a link out of the root, a file, a folder
     that is no index and a missing one get one answer; the last 2 used stay open."""
-    from trainer.served_indexes import ServedIndexes
+    from trainer.search.served_indexes import ServedIndexes
 
     root = tmp_path / "root"
     shutil.copytree(index, root / "a")

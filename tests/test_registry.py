@@ -1,4 +1,4 @@
-"""trainer/registry.py: the model folder (round trip, refusals), registration on a real sqlite
+"""trainer/store/registry.py: the model folder (round trip, refusals), registration on a real sqlite
 MLflow store, download by alias and version, the download command in a subprocess, and ensemble
 folders (members verified, registered and downloaded whole)."""
 
@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from defrag.vocab import Vocabulary
+from tests import DEFRAG
 from trainer.config import Config, ModelConfig
 from trainer.model import DeFragModel
-from trainer.registry import (
+from trainer.store.registry import (
     CHECKSUMS,
     CONFIG,
     METRICS,
@@ -38,7 +38,7 @@ from trainer.registry import (
     save_model_folder,
     verify_model_folder,
 )
-from trainer.tracking import Tracker
+from trainer.store.tracking import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB_WORDS = Vocabulary(words=["a", "brown", "dog", "runs", "grass"], relations=["nsubj", "amod"])
@@ -294,7 +294,7 @@ def test_download_command_end_to_end(store: tuple[Tracker, DeFragModel], tmp_pat
     dst = tmp_path / "champion"
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracker.tracking_uri}
     done = subprocess.run(
-        [sys.executable, "-m", "trainer.registry", "download", "models:/defrag@champion",
+        [DEFRAG, "registry", "download", "models:/defrag@champion",
          "--dst", str(dst)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(dst)

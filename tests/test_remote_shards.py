@@ -35,8 +35,8 @@ from tests.servers import HttpFolder, s3_server, serve_folder
 from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import ROOT, final_weights, finish, tiny_config, torchrun
 from trainer.batch import Batch
-from trainer.eval_set import load_eval_set
-from trainer.train_loader import TrainLoader
+from trainer.data.eval_set import load_eval_set
+from trainer.data.train_loader import TrainLoader
 
 TRAIN = [f"/train/shard-{i:06d}.tar" for i in range(8)]  # the `shards` fixture's, as served
 VAL = [f"/val/shard-{i:06d}.tar" for i in range(2)]
@@ -121,7 +121,7 @@ def test_a_dropped_connection_is_read_again_from_where_it_broke(
     local = epoch_batches(folder, words, world_size=1, workers=0)  # read here: caplog sees it
     delay = 0.0 if where == "first sample" else 2.0
     with serve_folder(folder, drop_after={shard: cut}, drop_times=1, drop_delay=delay) as server:
-        with caplog.at_level("WARNING", logger="trainer.reader"):
+        with caplog.at_level("WARNING", logger="trainer.data.reader"):
             remote = epoch_batches(server.url, words, world_size=1, workers=0)
         log = list(server.log)
     assert_same_batches(remote, local)

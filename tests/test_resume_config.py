@@ -1,4 +1,4 @@
-"""A resume checks the checkpoint's config against the new one (trainer.checkpoint
+"""A resume checks the checkpoint's config against the new one (trainer.training.checkpoint
 `resume_changes`, trainer/config.py RESUME_FIXED): a change of what the checkpoint means is
 refused in one line before the MLflow run is touched; a safe change is accepted, logged and
 tagged; and a finished run trained further registers its new best as a new version."""
@@ -16,11 +16,11 @@ import torch
 from mlflow import MlflowClient
 
 from tests.small_training import small_config
-from trainer.checkpoint import TrainState, latest_checkpoint, resume_changes
 from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
-from trainer.distributed import DistContext
-from trainer.registry import download_model
-from trainer.tracking import RegistrationFailed, flatten
+from trainer.store.registry import download_model
+from trainer.store.tracking import RegistrationFailed, flatten
+from trainer.training.checkpoint import TrainState, latest_checkpoint, resume_changes
+from trainer.training.distributed import DistContext
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ROOT = Path(__file__).resolve().parents[1]

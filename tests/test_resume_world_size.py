@@ -1,4 +1,4 @@
-"""A resume on another number of ranks (trainer.checkpoint `resume_changes`): refused mid-epoch,
+"""A resume on another number of ranks (trainer.training.checkpoint `resume_changes`): refused mid-epoch,
 where the rest of the epoch is dealt by (rank, world size), and for DeepSpeed's ZeRO partitions,
 which load only on the world size that wrote them; accepted at an epoch's end under DDP."""
 
@@ -13,16 +13,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.small_training import small_config
-from trainer.checkpoint import (
+from trainer.config import Config, ConfigError
+from trainer.main import train
+from trainer.training.checkpoint import (
     TrainState,
     checkpoints_dir,
     latest_checkpoint,
     load_state,
     resume_changes,
 )
-from trainer.config import Config, ConfigError
-from trainer.distributed import DistContext, end_process
-from trainer.main import train
+from trainer.training.distributed import DistContext, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

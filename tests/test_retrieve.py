@@ -1,4 +1,4 @@
-"""trainer/retrieve.py and the modules it uses (embedder, embedding_cache, explain, arithmetic)
+"""trainer/search/retrieve.py and the modules it uses (embedder, embedding_cache, explain, arithmetic)
 end to end through `main([...])` on tiny models and generated scenes: scores equal the
 evaluation's (for an ensemble folder: the mean of its members', in trainer.evaluate too), the
 index cache is reused and invalidated, --explain draws the alignment (fragments) or each word's
@@ -22,9 +22,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import defrag.images
-import trainer.embedder as embedder
 import trainer.evaluate as evaluate
-import trainer.retrieve as retrieve
+import trainer.search.embedder as embedder
+import trainer.search.retrieve as retrieve
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source, rebuild_box_source
 from featurizer.parsing import make_parser
@@ -32,15 +32,20 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
 from trainer.config import Config, DataConfig, ModelConfig, ObjectiveConfig
-from trainer.embedding_cache import CACHE_DIR
-from trainer.eval_set import load_eval_set
+from trainer.data.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set, retrieval_metrics, score_matrix
-from trainer.explain import explain_words
-from trainer.fragment_set import rank
 from trainer.model import DeFragModel, ImageEncoder
 from trainer.objectives import owner_means
 from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
-from trainer.registry import ensemble_members, load_model_folder, save_ensemble, save_model_folder
+from trainer.search.embedding_cache import CACHE_DIR
+from trainer.search.explain import explain_words
+from trainer.search.fragment_set import rank
+from trainer.store.registry import (
+    ensemble_members,
+    load_model_folder,
+    save_ensemble,
+    save_model_folder,
+)
 
 NUM_VAL = 4
 
@@ -120,8 +125,8 @@ def messages(caplog: pytest.LogCaptureFixture) -> str:
 
 @pytest.fixture(autouse=True)
 def info_logs(caplog: pytest.LogCaptureFixture) -> None:
-    for module in ("trainer.retrieve", "trainer.embedder", "trainer.embedding_cache",
-                   "trainer.explain"):
+    for module in ("trainer.search.retrieve", "trainer.search.embedder", "trainer.search.embedding_cache",
+                   "trainer.search.explain"):
         caplog.set_level(logging.INFO, logger=module)
 
 
@@ -158,7 +163,7 @@ def test_queries_score_like_the_evaluation(world: World, images: Path,
 def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """trainer.retrieve and trainer.evaluate on an ensemble folder: the weighted sum of its
+    """trainer.search.retrieve and trainer.evaluate on an ensemble folder: the weighted sum of its
     members' score matrices, as each member's evaluation computes them (here eq. 6 and cosine
     scores, so the weights are explicit)."""
     folder = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir],

@@ -1,4 +1,4 @@
-"""The run_dir lock (trainer/run_lock.py): a second run on a run_dir in use is refused in one line
+"""The run_dir lock (trainer/training/run_lock.py): a second run on a run_dir in use is refused in one line
 naming the holder while the first finishes untouched; a lock whose holder is gone (a dead process
 here, a stopped heartbeat on another node, this job's own earlier process) is taken over; a
 run_dir the run cannot write fails at once, naming it."""
@@ -28,9 +28,9 @@ from defrag.cli import describe
 from tests.small_training import small_config
 from tests.test_cli_errors import error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
-from trainer.distributed import DistContext, end_process
-from trainer.preemption import DONE, RunDirLost, stop_on_sigterm, stop_requested
-from trainer.run_lock import (
+from trainer.training.distributed import DistContext, end_process
+from trainer.training.preemption import DONE, RunDirLost, stop_on_sigterm, stop_requested
+from trainer.training.run_lock import (
     LOCK,
     OWN_JOB_STALE_SECONDS,
     STALE_SECONDS,
@@ -63,13 +63,13 @@ def write_lock(run_dir: Path, heartbeat_age: float = 0.0, **fields: object) -> P
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     killed = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from trainer.run_lock import RunDirLock; "
+        [sys.executable, "-c", "import os, signal, sys; from trainer.training.run_lock import RunDirLock; "
          "RunDirLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
          str(run_dir)], cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL
     dead = json.loads((run_dir / LOCK).read_text())
     lock = RunDirLock(run_dir)
-    with caplog.at_level(logging.WARNING, logger="trainer.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.run_lock"):
         lock.acquire()
     assert f"taking over the lock of host {dead['host']} pid {dead['pid']}" in caplog.text
     assert "that process no longer runs" in caplog.text
@@ -123,7 +123,7 @@ def test_another_nodes_lock_is_kept_while_its_heartbeat_is_fresh(tmp_path, caplo
     write_lock(tmp_path, heartbeat_age=STALE_SECONDS + 30, host="node-7",
                machine="another-node", pid=4242)
     lock = RunDirLock(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trainer.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.run_lock"):
         lock.acquire()
     assert "taking over the lock of host node-7 pid 4242" in caplog.text
     assert "no heartbeat for" in caplog.text
@@ -337,7 +337,7 @@ def test_a_lock_a_third_run_took_before_the_put_back_is_named_in_an_error(tmp_pa
         return found
 
     lock._gone, lock._read = others_takeover_meanwhile, third_run_links_meanwhile
-    with caplog.at_level(logging.ERROR, logger="trainer.run_lock"), pytest.raises(RunDirInUse):
+    with caplog.at_level(logging.ERROR, logger="trainer.training.run_lock"), pytest.raises(RunDirInUse):
         lock.acquire()
     assert re.search(rf"run_dir {tmp_path}: cannot put back the lock of host node-8 pid 4343 "
                      r"\(since .*\), moved away while judged: host node-9 pid 4444 "
@@ -349,7 +349,7 @@ def test_a_run_whose_lock_was_taken_fails_after_its_step(tmp_path, caplog):
     """The heartbeat finding another run's lock ends the run with an error at the next step's
     check, before a SIGTERM's stop with a checkpoint, and leaves the other run's lock alone."""
     lock = RunDirLock(tmp_path, heartbeat_seconds=0.05)
-    with stop_on_sigterm(), caplog.at_level(logging.ERROR, logger="trainer.run_lock"):
+    with stop_on_sigterm(), caplog.at_level(logging.ERROR, logger="trainer.training.run_lock"):
         lock.acquire()
         assert stop_requested(tmp_path, CPU) is None
         write_lock(tmp_path, host="node-7", machine="another-node", pid=4242)
@@ -398,7 +398,7 @@ def test_a_lock_taken_during_the_validation_fails_the_run_before_the_epochs_writ
     """The lock lost while the epoch's validation runs: no history line, best model or
     end-of-epoch checkpoint (nor its pruning) follows."""
     from trainer.main import train
-    from trainer.train import Trainer
+    from trainer.training.loop import Trainer
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""The SC-NLM (trainer/scnlm.py) against slow references written straight from Kiros et al.
+"""The SC-NLM (trainer/caption/scnlm.py) against slow references written straight from Kiros et al.
 2014's eqs. 9-11 with explicit loops, its gradients, and its greedy decode against a step-by-step
 decode one row at a time."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from trainer.scnlm import SCNLM, training_windows
+from trainer.caption.scnlm import SCNLM, training_windows
 
 V, TAGS, K, G, F, D, CONTEXT, FORWARD = 7, 4, 4, 4, 3, 5, 2, 1
 START, PAD = 0, 3  # the start word's id and the padding tag's

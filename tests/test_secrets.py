@@ -30,11 +30,12 @@ from defrag.urls import AUTHORIZATION_ENV, MASK, ShardError, open_url, read_url,
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+from tests import DEFRAG
 from tests.servers import basic_authorization, serve_folder
 from tests.test_train_e2e import ROOT, tiny_config
 from trainer.config import Config
-from trainer.shardset import locate_split
-from trainer.tracking import ERROR_TAG, Tracker
+from trainer.data.shardset import locate_split
+from trainer.store.tracking import ERROR_TAG, Tracker
 
 USER, PASSWORD = "reader", "pw-7f3a9c"
 STALLED = "train/shard-000001.tar"  # the server sends half of it and holds the connection
@@ -127,13 +128,13 @@ def test_one_line_errors_and_the_log_lines_of_a_command_mask_credentials(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     with pytest.raises(SystemExit) as stop, one_line_errors("prog"):
-        logging.getLogger("trainer.reader").warning("shard %s: retried", f"http://{USER}:"
+        logging.getLogger("trainer.data.reader").warning("shard %s: retried", f"http://{USER}:"
                                                     f"{PASSWORD}@h/x.tar")
         raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar is not in the manifest")
     assert stop.value.code == (f"prog: error: shard http://{USER}:{MASK}@h/x.tar is not in the "
                                "manifest (--debug shows the traceback)")
     assert [record.getMessage() for record in caplog.records
-            if record.name == "trainer.reader"] == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
+            if record.name == "trainer.data.reader"] == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
 
 
 def test_the_tags_of_a_failed_run_are_masked(tmp_path: Path,
@@ -232,7 +233,7 @@ def test_a_vocabulary_reused_from_a_url_leaves_its_password_out_of_the_manifest(
         locked, home: Path, tmp_path: Path) -> None:
     url = locked.url.replace("//", f"//{USER}:{PASSWORD}@")
     jsonl = generate(tmp_path / "source", 4, 2, seed=0, image_size=64)
-    command = f"python -m featurizer jsonl {jsonl} --vocab {url} --out {tmp_path / 'out'}"
+    command = f"defrag featurize jsonl {jsonl} --vocab {url} --out {tmp_path / 'out'}"
     featurize(read_jsonl(jsonl, jsonl.parent, "train"),
               Settings(out=tmp_path / "out", parser="spacy", boxes="given", workers=1,
                        vocab=url, command=command))
@@ -350,7 +351,7 @@ def test_a_training_and_its_evaluation_keep_the_password_out_of_everything(
         assert training.returncode == 0, training.stderr[-4000:]
         run_dir = tmp_path / "run"
         evaluation = subprocess.run(
-            [sys.executable, "-m", "trainer.evaluate", "--model", str(run_dir / "best"),
+            [DEFRAG, "evaluate", "--model", str(run_dir / "best"),
              "--shards", url, "--split", "val", "--workers", "1"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert evaluation.returncode == 0, evaluation.stderr[-4000:]

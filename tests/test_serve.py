@@ -1,4 +1,4 @@
-"""trainer/serve.py, the search web app, as a real uvicorn server on 127.0.0.1 over the index of a
+"""trainer/search/serve.py, the search web app, as a real uvicorn server on 127.0.0.1 over the index of a
 small trained model (tests/search_world.py): a caption finds its image first, an indexed or
 uploaded image finds sentences, Figure 4 comes back as a PNG, /openapi.json documents the API;
 every bad input of issue #17 gets one clear 4xx line and the server answers afterwards."""
@@ -21,11 +21,11 @@ import pytest
 import requests
 from PIL import Image
 
-import trainer.index
-import trainer.serve as serve
+import trainer.search.index
+import trainer.search.serve as serve
+from defrag.files import CHECKSUMS
 from tests.search_world import SearchWorld, search_world, serving
-from trainer.files import CHECKSUMS
-from trainer.index import IndexMismatch, SearchIndex
+from trainer.search.index import IndexMismatch, SearchIndex
 
 pytestmark = pytest.mark.slow
 UPLOAD_LIMIT = 64 * 1024  # the fixture server's --max-upload-mb: small, so a huge upload is cheap
@@ -314,7 +314,7 @@ def test_a_link_is_served_only_while_it_stays_in_the_folder(world: SearchWorld,
     secret.write_bytes(b"root:x:0:0:" + (world.photos / kept).read_bytes())
     (photos / "linked.png").symlink_to(kept)
     (photos / "out.png").symlink_to(world.photos / gone)
-    trainer.index.main(["--model", str(world.model_dir), "--images", str(photos),
+    trainer.search.index.main(["--model", str(world.model_dir), "--images", str(photos),
                         "--out", str(tmp_path / "index"), "--workers", "1"])
     index = SearchIndex.open(tmp_path / "index")
     assert index.image_names == ["linked.png", kept, gone]
@@ -352,7 +352,7 @@ def test_another_model_is_refused_naming_both_checksums(world: SearchWorld) -> N
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--index", str(world.index), "--model", str(world.other_model_dir)])
     line = str(exit_.value.code)
-    assert line.startswith("python -m trainer.serve: error: index ") and "\n" not in line
+    assert line.startswith("defrag serve: error: index ") and "\n" not in line
     assert built in line and other in line
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--index", str(world.photos)])

@@ -1,4 +1,4 @@
-"""The search page of trainer/serve.py in headless Chromium (Debian's `chromium` and
+"""The search page of trainer/search/serve.py in headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by selenium): a typed caption puts its image first in the grid, an
 uploaded photo lists sentences, a click on a photo opens Figure 4, an API error is a message in
 the page; the browser console stays free of errors.
@@ -21,9 +21,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-import trainer.serve as serve
+import trainer.search.serve as serve
 from tests.search_world import SearchWorld, search_world, serving
-from trainer.index import SearchIndex
+from trainer.search.index import SearchIndex
 
 pytestmark = pytest.mark.slow
 INSTALL = "(Debian: apt-get install chromium chromium-driver)"

@@ -17,8 +17,8 @@ from defrag.shard_format import FORMAT_VERSION, READABLE_FORMATS, TREE_FORMAT
 from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
 from trainer.config import Config
-from trainer.eval_set import load_eval_set
-from trainer.shardset import locate_split, read_manifest, require_trees
+from trainer.data.eval_set import load_eval_set
+from trainer.data.shardset import locate_split, read_manifest, require_trees
 
 ENCODER = "the sdtrnn sentence encoder"
 

@@ -27,8 +27,8 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.test_train_e2e import tiny_config
-from trainer.checkpoint import latest_checkpoint, load_state
-from trainer.registry import verify_model_folder
+from trainer.store.registry import verify_model_folder
+from trainer.training.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

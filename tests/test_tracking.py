@@ -1,4 +1,4 @@
-"""trainer/tracking.py on real MLflow stores: embedded sqlite files and a real `mlflow server`
+"""trainer/store/tracking.py on real MLflow stores: embedded sqlite files and a real `mlflow server`
 (no mocks of MLflow). A fresh sqlite store costs seconds of schema migrations, so most tests copy
 one empty store made once per session."""
 
@@ -25,17 +25,15 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from defrag.vocab import Vocabulary
-from trainer.checkpoint import latest_checkpoint, load_state
+from tests import DEFRAG
 from trainer.config import Config
-from trainer.distributed import DistContext
-from trainer.preemption import REQUEST, Preempted
-from trainer.registry import (
+from trainer.store.registry import (
     download_model,
     register_from_run,
     save_model_folder,
     verify_model_folder,
 )
-from trainer.tracking import (
+from trainer.store.tracking import (
     HTTP_DEFAULTS,
     RegistrationFailed,
     Tracker,
@@ -43,6 +41,9 @@ from trainer.tracking import (
     flatten,
     sync,
 )
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext
+from trainer.training.preemption import REQUEST, Preempted
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -79,7 +80,7 @@ def free_port() -> int:
 def tracker_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     """What the tracker and its spool logged (MLflow logs its own errors too)."""
     return [r.getMessage() for r in caplog.records
-            if r.name in ("trainer.tracking", "trainer.spool")]
+            if r.name in ("trainer.store.tracking", "trainer.store.spool")]
 
 
 def picture() -> Image.Image:
@@ -253,7 +254,7 @@ def test_store_failing_mid_run_never_raises(
     shutil.rmtree(run_dir / "mlartifacts")
     (run_dir / "mlartifacts").write_text("not a folder")
 
-    caplog.set_level(logging.WARNING, logger="trainer.tracking")
+    caplog.set_level(logging.WARNING, logger="trainer.store.tracking")
     began = time.monotonic()
     for step in range(1, 6):
         tracker.log_metrics({"loss": 3.0 - step / 10}, step=step)
@@ -273,7 +274,7 @@ def test_store_failing_mid_run_never_raises(
     tracker.finish()  # sends the metrics, closes the run; the pictures cannot go yet
     summary = tracker_messages(caplog)[-1]
     assert "failed calls {'metrics': 1, 'artifacts': 1, 'images': 1}" in summary
-    assert f"python -m trainer.tracking sync {run_dir.resolve()}` sends it" in summary
+    assert f"defrag tracking sync {run_dir.resolve()}` sends it" in summary
     client = MlflowClient(tracking_uri=tracker.tracking_uri)
     assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == list(range(6))
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
@@ -346,7 +347,7 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     verify_model_folder(download_model(f"models:/defrag/{version}", tmp_path / "dl", uri))
     mlflow_server.stop()
 
-    caplog.set_level(logging.WARNING, logger="trainer.tracking")
+    caplog.set_level(logging.WARNING, logger="trainer.store.tracking")
     began = time.monotonic()
     tracker.log_metrics({"loss": 0.5}, step=1)
     tracker.flush()
@@ -355,7 +356,7 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     assert time.monotonic() - began < 30  # bounded retries, not MLflow's minutes of backoff
     messages = tracker_messages(caplog)
     assert any("metrics failed" in m and "training continues" in m for m in messages)
-    assert f"python -m trainer.tracking sync {run_dir.resolve()}" in messages[-1]
+    assert f"defrag tracking sync {run_dir.resolve()}" in messages[-1]
     assert (run_dir / "tracking-spool" / tracker.run_id / "images" / "after.png").is_file()
 
     mlflow_server.start()
@@ -450,7 +451,7 @@ def test_registration_failing_at_the_end_is_reported_and_can_be_done_later(
     """The server stops after epoch 0 of 2: the training goes on, what it could not send waits in
     the run folder, and the registration fails loudly with the command that does it later."""
     from trainer.main import train
-    from trainer.train import Trainer
+    from trainer.training.loop import Trainer
 
     end_epoch = Trainer.end_epoch
 
@@ -467,7 +468,7 @@ def test_registration_failing_at_the_end_is_reported_and_can_be_done_later(
     summary = failed.value.summary
     run_id, later = summary["mlflow_run_id"], summary["register_later"]
     assert summary["registered"] is None and "Connection refused" in summary["registration_error"]
-    assert later.startswith(f"python -m trainer.registry register {run_dir.resolve() / 'best'} ")
+    assert later.startswith(f"defrag registry register {run_dir.resolve() / 'best'} ")
     assert later in str(failed.value)
     assert (run_dir / "tracking-spool" / run_id / "images" / "alignments" /
             "epoch-001.png").is_file()
@@ -476,7 +477,7 @@ def test_registration_failing_at_the_end_is_reported_and_can_be_done_later(
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(run_id).info.status == "RUNNING"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run([sys.executable, "-m", "trainer.tracking", "sync", str(run_dir)],
+    done = subprocess.run([DEFRAG, "tracking", "sync", str(run_dir)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(rf"run {run_id} in {uri}: sent metrics \d+, pictures 1, status FINISHED",

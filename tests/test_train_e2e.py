@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
-from trainer.checkpoint import latest_checkpoint, load_state
+from tests import DEFRAG
 from trainer.evaluate import retrieval_metrics
-from trainer.registry import verify_model_folder
+from trainer.store.registry import verify_model_folder
+from trainer.training.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def test_two_process_training_tracks_and_registers(tmp_path, shards, engine):
     assert len(client.get_metric_history(run.info.run_id, "val/rsum")) == 2
 
     evaluation = subprocess.run(
-        [sys.executable, "-m", "trainer.evaluate", "--model", str(run_dir / "best"),
+        [DEFRAG, "evaluate", "--model", str(run_dir / "best"),
          "--shards", str(shards / "val" / "shard-{000000..000001}.tar")],
         cwd=ROOT, capture_output=True, text=True, check=True)
     metrics = json.loads(evaluation.stdout.strip().splitlines()[-1])
@@ -199,7 +200,7 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     """A sequence encoder (Kiros's LSTM) and a tree encoder (Socher's DT-RNN) through the normal
     commands: a 2-process training (C_G alone, the CNN fixed; cosine scores: with Socher's inner
     product this tiny run does not beat chance at lr 0.05) beats chance on val, and the model
-    folder alone tells trainer.evaluate and trainer.retrieve what it is. linear and sdtrnn share
+    folder alone tells trainer.evaluate and trainer.search.retrieve what it is. linear and sdtrnn share
     all but their forward with these (tests/test_encoders.py tests it), and keep CI short."""
     config = tiny_config(tmp_path, shards)
     overrides = [f"model.sentence_encoder={encoder}", "objective.use_fragment=false",
@@ -212,7 +213,7 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     assert summary["best_val_rsum"] > chance + 40, (summary["best_val_rsum"], chance)
 
     evaluation = subprocess.run(
-        [sys.executable, "-m", "trainer.evaluate", "--model", str(best), "--shards",
+        [DEFRAG, "evaluate", "--model", str(best), "--shards",
          str(shards / "val" / "shard-{000000..000001}.tar")],
         cwd=ROOT, capture_output=True, text=True, check=True)
     metrics = json.loads(evaluation.stdout.strip().splitlines()[-1])
@@ -222,7 +223,7 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     images.mkdir()
     for source in sorted((shards / "source" / "images").glob("*"))[:4]:
         (images / source.name).write_bytes(source.read_bytes())
-    retrieve = [sys.executable, "-m", "trainer.retrieve", "--model", str(best), "--images",
+    retrieve = [DEFRAG, "retrieve", "--model", str(best), "--images",
                 str(images), "--query", "a red star", "--json"]
     report = json.loads(subprocess.run(retrieve, cwd=ROOT, capture_output=True, text=True,
                                        check=True).stdout)

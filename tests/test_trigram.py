@@ -1,4 +1,4 @@
-"""The Kneser-Ney trigram model (trainer/trigram.py) on a tiny corpus: its scores are NLTK's own
+"""The Kneser-Ney trigram model (trainer/caption/trigram.py) on a tiny corpus: its scores are NLTK's own
 and those of the textbook equations, they are probabilities, they survive JSON, and unknown words
 get the documented floor."""
 
@@ -12,8 +12,8 @@ import pytest
 from nltk.lm import KneserNeyInterpolated
 from nltk.lm.preprocessing import padded_everygram_pipeline
 
-import trainer.trigram
-from trainer.trigram import BOS, EOS, OOV_PROB, TrigramLM
+import trainer.caption.trigram
+from trainer.caption.trigram import BOS, EOS, OOV_PROB, TrigramLM
 
 CORPUS = [sentence.split() for sentence in (
     "a dog runs on the grass",
@@ -139,7 +139,7 @@ def test_unknown_words_get_the_floor_probability(lm):
 
 
 def test_a_full_memo_starts_afresh_without_changing_scores(lm, monkeypatch):
-    monkeypatch.setattr(trainer.trigram, "MEMO_SIZE", 4)
+    monkeypatch.setattr(trainer.caption.trigram, "MEMO_SIZE", 4)
     small = TrigramLM.fit(CORPUS)
     for sentence in SENTENCES:
         assert small.log_prob(sentence.split()) == lm.log_prob(sentence.split())

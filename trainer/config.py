@@ -133,10 +133,10 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """The featurizer's shards and how they are streamed (trainer/shardset.py, reader.py,
+    """The featurizer's shards and how they are streamed (trainer/data/shardset.py, reader.py,
     train_loader.py)."""
 
-    # Where the featurized set lives (trainer/shardset.py): a featurizer output folder, its
+    # Where the featurized set lives (trainer/data/shardset.py): a featurizer output folder, its
     # http(s):// URL, or a WebDataset shard list of the training split (braces, "::", pipe:).
     shards: str | None = None
     val_shards: str | None = None  # a shard list of the val split; None: from `shards`
@@ -191,7 +191,7 @@ class RunConfig:
 @dataclass
 class CaptionConfig:
     """The structure-content neural language model (Kiros et al. 2014, 2.5) and its caption
-    generation (5.2): trainer/scnlm.py, trainer/caption_train.py, trainer/captioner.py."""
+    generation (5.2): trainer/caption/scnlm.py, trainer/caption/train.py, trainer/caption/captioner.py."""
 
     # The trained Kiros encoder's model folder: it embeds each training caption (u of eq. 11),
     # and at generation the image; the SC-NLM uses its vocabulary ("the same vocabulary")
@@ -278,7 +278,7 @@ class Config:
         return cls.from_dict(data)
 
 
-# The keys a resume may not change (trainer.checkpoint.resume_changes refuses it, listing each
+# The keys a resume may not change (trainer.training.checkpoint.resume_changes refuses it, listing each
 # `key: old -> new`): they change what the checkpoint's weights, optimizer state and step
 # counters mean. Every other key may change on resume (lr and its schedule, epochs, eval,
 # logging, checkpointing, paths of caches, registration); the change is logged and tagged.
@@ -305,12 +305,12 @@ RESUME_FIXED = frozenset({
     # measured on, the vocabulary W_e's rows stand for, how images become fragments
     "data.shards", "data.val_shards", "data.manifest", "data.vocab", "data.train_split",
     "data.val_split", "data.resampled", "data.epoch_pairs", "data.max_boxes",
-    # the captioner's language model (trainer.caption_train) and the encoder it is conditioned on
+    # the captioner's language model (trainer.caption.train) and the encoder it is conditioned on
     "caption.encoder", "caption.word_dim", "caption.attribute_dim", "caption.factors",
     "caption.context", "caption.forward_tags",
 })
 # ... and for a checkpoint taken mid-epoch, the keys that order the epoch's pairs: the resume
-# skips the steps done in that order (trainer/train_loader.py), as does the world size (the
+# skips the steps done in that order (trainer/data/train_loader.py), as does the world size (the
 # ranks the shards are dealt to), which the checkpoint's state keeps, not its config
 RESUME_FIXED_MID_EPOCH = frozenset({"seed", "data.seed", "data.workers", "data.shuffle_buffer",
                                     "data.max_image_pixels"})

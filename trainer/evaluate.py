@@ -29,13 +29,13 @@ from defrag.cli import add_debug_flag, one_line_errors
 from defrag.shard_format import SHARD_NAME
 from defrag.urls import redact
 from trainer.config import Config
-from trainer.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
-from trainer.features import FeatureCache, feature_stamp
+from trainer.data.eval_set import EvalSet, IncompleteSplit, check_complete, load_eval_set
+from trainer.data.feature_cache import FeatureCache, feature_stamp
+from trainer.data.reader import DataProblem
+from trainer.data.shardset import is_folder, training_manifest
 from trainer.model import DeFragModel
 from trainer.objectives import image_sentence_scores
-from trainer.reader import DataProblem
-from trainer.registry import FEATURIZER, ensemble_members, load_model_folder
-from trainer.shardset import is_folder, training_manifest
+from trainer.store.registry import FEATURIZER, ensemble_members, load_model_folder
 
 RECALL_AT = (1, 5, 10)
 
@@ -329,11 +329,11 @@ def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m trainer.evaluate --model DIR --shards SHARDS`: metrics, last line JSON."""
-    parser = argparse.ArgumentParser(prog="trainer.evaluate", description=main.__doc__)
+    """`defrag evaluate --model DIR --shards SHARDS`: metrics, last line JSON."""
+    parser = argparse.ArgumentParser(prog="defrag evaluate", description=main.__doc__)
     parser.add_argument("--model", required=True,
                         help="a registered model folder, or an ensemble folder (the weighted sum "
-                             "of its members' scores; trainer.registry ensemble)")
+                             "of its members' scores; trainer.store.registry ensemble)")
     parser.add_argument("--shards", required=True,
                         help="featurizer output folder or its http(s) URL (with --split), or a "
                              "WebDataset shard list such as 'data/test/shard-{000000..000004}.tar'"

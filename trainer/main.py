@@ -2,9 +2,9 @@
 
 Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
 latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
-(trainer/train.py), and registers the best model in MLflow. Rank 0 holds the run folder's lock
-for the whole run (trainer/run_lock.py). A run asked to stop (the PREEMPT file, or SIGTERM:
-trainer/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without registering.
+(trainer/training/loop.py), and registers the best model in MLflow. Rank 0 holds the run folder's lock
+for the whole run (trainer/training/run_lock.py). A run asked to stop (the PREEMPT file, or SIGTERM:
+trainer/training/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without registering.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ import torch
 
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.urls import redact
-from trainer.checkpoint import (
+from trainer.config import Config
+from trainer.data.shardset import load_vocabulary
+from trainer.model import DeFragModel
+from trainer.store.registry import register_from_run
+from trainer.store.tracking import RegistrationFailed, Tracker
+from trainer.training.checkpoint import (
     TrainState,
     clear_partial,
     latest_checkpoint,
@@ -29,15 +34,10 @@ from trainer.checkpoint import (
     resume_changes,
     verify_checkpoint,
 )
-from trainer.config import Config
-from trainer.distributed import DistContext, end_process, init_distributed
-from trainer.model import DeFragModel
-from trainer.preemption import Preempted, stop_on_sigterm
-from trainer.registry import register_from_run
-from trainer.run_lock import run_dir_locked
-from trainer.shardset import load_vocabulary
-from trainer.tracking import RegistrationFailed, Tracker
-from trainer.train import Trainer
+from trainer.training.distributed import DistContext, end_process, init_distributed
+from trainer.training.loop import Trainer
+from trainer.training.preemption import Preempted, stop_on_sigterm
+from trainer.training.run_lock import run_dir_locked
 
 log = logging.getLogger("trainer")
 
@@ -125,7 +125,7 @@ TrainFn = Callable[[Config, DistContext, str], dict]
 
 def run(args: argparse.Namespace, train_fn: TrainFn) -> int:
     """Load the config, join the process group, lock the run folder, train; the summary printed
-    by rank 0. The exit status: 0, or a stop's (trainer/preemption.py says why)."""
+    by rank 0. The exit status: 0, or a stop's (trainer/training/preemption.py says why)."""
     cfg = Config.load(args.config, args.overrides)
     ctx = init_distributed(cfg.run.device)
     try:
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, train_fn: TrainFn) -> int:
 
 def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | None], None]:
     """The entry point of a torchrun-launched training (`train_fn`): arguments, logging, one
-    error line, and the process's exit code (trainer.main, trainer.caption_train)."""
+    error line, and the process's exit code (trainer.main, trainer.caption.train)."""
 
     def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv, prog, doc)

@@ -19,7 +19,7 @@ Names, one per idea, the same from the batch (trainer/batch.py) through the mode
                    what the tree encoders read (dtrnn, sdtrnn; shard format 2)
   sentence_image   the image row of each sentence (`Batch.sentence_image`)
   image_key        [B] int64: a stable key of each pair's image; pairs with one key are never
-                   each other's negatives (`trainer.reader.image_key` of the image's id)
+                   each other's negatives (`trainer.data.reader.image_key` of the image's id)
   image_id         an image's name in the dataset (str; `Batch.image_ids` per image row)
   F = v s^T        fragment scores; S [images, sentences]: image-sentence scores, eq. 6's
                    (`pair_scores`) or another `score` (`image_sentence_scores`)

@@ -1,0 +1,694 @@
+"""A collection embedded once for search: every image's fragments (and sentences') on disk, and
+a faiss first stage over them; what the web app, the retrieval CLI and the MLflow pyfunc search.
+
+    defrag index --model DIR --images FOLDER --out INDEX [--sentences FILE]
+    defrag index --model DIR --shards URL --split val --out INDEX
+
+The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled):
+- `index.json`: what was embedded with what (the model folder's checksums key, box source,
+  parser, image decoder version, the collection's source), the items; written last.
+- `images.safetensors`: the fragments, each image's consecutive: `rows` fp16 [N, d] times
+  `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
+  int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
+  in the file's pixels; the first stage's `key_item` (each key's image) and projection
+  (`center`, `basis`). Memory-mapped at search.
+- `images.faiss`: the first stage over the projected keys (`build_first_stage`).
+- `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
+  fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
+  --sentences file, else the captions of --shards.
+- `files/`: the images of a --shards collection (a folder collection is served from its folder).
+- `parts/`: while building, each finished unit (256 files, or one shard); a rerun of the same
+  command resumes from them (a file changed since is embedded again with its unit), and they
+  are removed once the index is written.
+
+Search is two-stage (docs/design.md section 11): the first stage's keys are the fragment rows
+for eq. 6 (each query fragment finds its KEY_CANDIDATES best, an item scores the thresholded
+sum of those it owns) or each item's mean row for the cosine and inner scores (their inner
+product is the model's score); the CANDIDATES best items are then ranked by the model's own
+score (`trainer.search.fragment_set.rank`, as evaluation computes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from defrag.cli import add_debug_flag, one_line_errors
+from defrag.files import write_atomically
+from defrag.images import DECODER_VERSION, MAX_IMAGE_PIXELS
+from defrag.urls import redact
+from trainer.batch import owners
+from trainer.data.reader import BadSample, Notes, ReadOptions, shard_samples
+from trainer.data.shardset import Shard, locate_split
+from trainer.objectives import owner_means
+from trainer.search.embedder import (
+    IMAGE_BATCH,
+    Embedder,
+    RetrievalError,
+    embed_images,
+    embed_parsed,
+    embed_sentences,
+    image_fragments,
+    load_embedder,
+    parse_captions,
+)
+from trainer.search.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
+from trainer.search.explain import explain, explain_words
+from trainer.search.fragment_set import FragmentSet, rank, top_k
+from trainer.store.registry import ensemble_members, is_ensemble
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1
+UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
+FIRST_STAGE_DIMS = 256  # principal directions of the first stage's keys (+ 1 column)
+PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
+IVF_FROM = 200_000  # keys from which the first stage is an IVF index instead of an exact scan
+SQ8_FROM = 5_000_000  # keys from which the IVF keeps 8-bit codes instead of float32
+IVF_PROBE = 32  # lists an IVF first stage searches
+KEY_CANDIDATES = 1000  # keys each query row finds (eq. 6; benchmarks/bench_search.py)
+CANDIDATES = 50  # items re-scored exactly (benchmarks/bench_search.py)
+EXACT_SENTENCES = 20_000  # sentence sets up to this size are scanned exactly (no first stage)
+MAX_QUERY_CHARS = 1000
+
+
+class IndexMismatch(RetrievalError):
+    """An index opened with another model than the one that built it."""
+
+
+@dataclass
+class Hit:
+    """One search result: an image's file name or a sentence, its score, its row in the index."""
+
+    item: str
+    score: float
+    position: int
+
+
+# ---------------------------------------------------------------- one side of an index
+
+
+def first_stage_keys(fragments: FragmentSet, score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the first stage indexes, [N_key, d], and each key's item [N_key]: for eq. 6 every
+    fragment row (its threshold acts on each fragment pair, so an item's mean row ranks badly:
+    benchmarks/README.md), else each item's mean row (of unit length for the cosine score),
+    whose inner product with the query's is the model's score."""
+    if score == "eq6":
+        return fragments.embeddings, fragments.owner
+    means = owner_means(fragments.embeddings.float(), fragments.owner, len(fragments.items))
+    keys = torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
+    return keys, torch.arange(len(fragments.items))
+
+
+def fit_projection(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean key and its FIRST_STAGE_DIMS principal directions [d, r] (of a sample)."""
+    sample = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))[
+        :PROJECTION_SAMPLE]].float()
+    center = sample.mean(0)
+    basis = torch.linalg.svd(sample - center, full_matrices=False).Vh[:FIRST_STAGE_DIMS].T
+    return center, basis.contiguous()
+
+
+def project(x: torch.Tensor, center: torch.Tensor, basis: torch.Tensor,
+            queries: bool) -> np.ndarray:
+    """Keys as [(k - c) B, 1] and queries as [q B, q . c]: their inner product is k . q up to
+    the directions left out (r + 1 float32 columns)."""
+    x = x.float()
+    last = x @ center if queries else torch.ones(len(x))
+    return torch.cat([(x if queries else x - center) @ basis, last[:, None]], 1).numpy()
+
+
+def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
+                      basis: torch.Tensor) -> faiss.Index:
+    """An inner-product faiss index of the projected keys: exact below IVF_FROM keys, else IVF
+    with 2 sqrt(N) lists found through HNSW, trained on a sample of 40 keys per list, the keys
+    kept as float32 (the fastest scan) or, from SQ8_FROM keys, as 8-bit codes (a quarter of the
+    memory, ~4x slower to scan); keys projected a block at a time."""
+    total, dims = len(keys), basis.shape[1] + 1
+    blocks = range(0, total, 1 << 16)
+    if total < IVF_FROM:
+        first = faiss.IndexFlatIP(dims)
+    else:
+        lists = int(2 * np.sqrt(total))
+        quantizer = faiss.IndexHNSWFlat(dims, 32, faiss.METRIC_INNER_PRODUCT)
+        first = (faiss.IndexIVFFlat(quantizer, dims, lists, faiss.METRIC_INNER_PRODUCT)
+                 if total < SQ8_FROM else faiss.IndexIVFScalarQuantizer(
+                     quantizer, dims, lists, faiss.ScalarQuantizer.QT_8bit,
+                     faiss.METRIC_INNER_PRODUCT))
+        first.cp.niter = 10
+        sample = torch.randperm(total, generator=torch.Generator().manual_seed(1))[:40 * lists]
+        first.train(project(keys[sample.sort().values], center, basis, queries=False))
+    for begin in tqdm(blocks, desc="first stage", unit="block", disable=len(blocks) < 8):
+        first.add(project(keys[begin:begin + (1 << 16)], center, basis, queries=False))
+    return first
+
+
+def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
+    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
+    keys, key_item = first_stage_keys(fragments, score)
+    center, basis = fit_projection(keys)
+    start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
+    start[1:] = fragments.counts.cumsum(0)
+    scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude
+    rows = torch.empty(fragments.embeddings.shape, dtype=torch.float16)
+    for first in range(0, len(rows), 1 << 16):  # bounded float32 copies
+        block = fragments.embeddings[first:first + (1 << 16)].float()
+        peak = block.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+        scale[first:first + len(block)] = peak
+        rows[first:first + len(block)] = (block / peak[:, None]).half()
+    save_file({"rows": rows, "scale": scale, "start": start,
+               "detail": fragments.detail.contiguous(), "key_item": key_item,
+               "center": center, "basis": basis}, folder / f"{stem}.safetensors")
+    faiss.write_index(build_first_stage(keys, center, basis), str(folder / f"{stem}.faiss"))
+
+
+def memory_map(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only memory maps (the format is an 8-byte
+    header size, a JSON header, then the raw little-endian arrays), nothing read up front."""
+    dtypes = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
+    with path.open("rb") as stream:
+        size = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(size))
+    arrays = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        shape, dtype = tuple(entry["shape"]), dtypes[entry["dtype"]]
+        arrays[name] = (np.zeros(shape, dtype) if begin == end else
+                        np.memmap(path, dtype, "r", offset=8 + size + begin, shape=shape))
+    return arrays
+
+
+class Collection:
+    """One side of an opened index: its items, memory-mapped rows and first stage. `norm` is
+    eq. 6's factor of an item with n rows: 1 / n for images, 1 / (n + smooth) for sentences."""
+
+    def __init__(self, folder: Path, stem: str, items: list[str], score: str,
+                 norm: Callable[[np.ndarray], np.ndarray], exact_up_to: int = 0) -> None:
+        arrays = memory_map(folder / f"{stem}.safetensors")
+        self.items, self.score, self.norm = items, score, norm
+        self.rows, self.scale = arrays["rows"], arrays["scale"]
+        self.detail, self.start = arrays["detail"], arrays["start"]
+        self.key_item = np.asarray(arrays["key_item"])
+        self.counts = np.diff(self.start)  # rows of each item
+        self.center = torch.from_numpy(np.array(arrays["center"]))
+        self.basis = torch.from_numpy(np.array(arrays["basis"]))
+        self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
+        if isinstance(self.first, faiss.IndexIVF):
+            self.first.nprobe = IVF_PROBE
+        self.key_candidates = KEY_CANDIDATES
+        self.exact_up_to = exact_up_to  # up to this many items: every item is a candidate
+        self._everything: FragmentSet | None = None  # float32 rows of an exact collection
+        if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
+            raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
+                                 f"({len(items)} items): rebuild it with trainer.search.index")
+
+    def candidates(self, query: FragmentSet, k: int) -> np.ndarray:
+        """Positions of the k items the first stage scores highest for `query` (one item), in
+        index order (the exact scan's tie order). For eq. 6 each query row finds its
+        key_candidates best keys (fragment rows), and an item scores the thresholded sum of
+        those it owns, normalised as eq. 6; otherwise the query's mean row finds k items.
+        A collection of at most `exact_up_to` items returns every item."""
+        if len(self.items) <= self.exact_up_to:
+            return np.arange(len(self.items))
+        keys, _ = first_stage_keys(query, self.score)
+        probes = project(keys, self.center, self.basis, queries=True)
+        found = min(self.key_candidates if self.score == "eq6" else k, self.first.ntotal)
+        scores, keys = self.first.search(probes, found)
+        keep = keys >= 0
+        items, scores = self.key_item[keys[keep]], scores[keep]
+        if self.score == "eq6":
+            items, owner = np.unique(items, return_inverse=True)
+            scores = np.bincount(owner, np.maximum(scores, 0)) * self.norm(self.counts[items])
+        best = np.argsort(-scores, kind="stable")[:k]
+        return np.sort(items[best])
+
+    def select(self, positions: Sequence[int]) -> FragmentSet:
+        """The items at `positions` with their rows in float32 (all of an exact collection's
+        rows are kept in memory once read)."""
+        if len(self.items) <= self.exact_up_to and len(positions) == len(self.items):
+            if self._everything is None:
+                self._everything = self._read(positions)
+            return self._everything
+        return self._read(positions)
+
+    def _read(self, positions: Sequence[int]) -> FragmentSet:
+        rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
+                if len(positions) else np.zeros(0, np.int64))
+        return FragmentSet([self.items[p] for p in positions],
+                           torch.from_numpy(self.rows[rows].astype(np.float32)
+                                            * self.scale[rows][:, None]),
+                           owners([int(self.counts[p]) for p in positions]),
+                           torch.from_numpy(np.array(self.detail[rows])))
+
+
+def _load(model: Path, boxes: str | None, detector_weights: str | None,
+          parser: str | None) -> Embedder:
+    """`load_embedder`, with a clear error for an ensemble folder (one model per index)."""
+    if is_ensemble(model):
+        members = ", ".join(str(folder) for folder, _ in ensemble_members(model))
+        raise RetrievalError(f"{model} is an ensemble; an index holds one model's fragments: "
+                             f"index one of its members ({members})")
+    return load_embedder(model, boxes, detector_weights, parser)
+
+
+# ---------------------------------------------------------------- searching
+
+
+class SearchIndex:
+    """An index opened for search with its model: sentence -> images, image -> sentences, and
+    Figure 4 for a pair. Bad input raises RetrievalError with one line for the user."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any], embedder: Embedder,
+                 model_dir: Path) -> None:
+        self.folder, self.meta, self.embedder, self.model_dir = folder, meta, embedder, model_dir
+        objective = embedder.cfg.objective
+        self.images = Collection(folder, "images", meta["images"], objective.score,
+                                 lambda n: 1 / n)
+        self.sentence_set = (Collection(folder, "sentences", meta["sentences"], objective.score,
+                                        lambda n: 1 / (n + objective.smooth), EXACT_SENTENCES)
+                             if meta["sentences"] else None)
+        self.candidates = CANDIDATES
+        self.position = {name: k for k, name in enumerate(meta["images"])}
+        self._parse = threading.Lock()  # the parser is not known to be thread-safe
+
+    @classmethod
+    def open(cls, folder: Path, model: Path | None = None,
+             max_image_pixels: int = MAX_IMAGE_PIXELS) -> SearchIndex:
+        """The index in `folder`, with `model` (default: the model folder that built it, as
+        recorded); IndexMismatch when the model is not that one. Query images over
+        `max_image_pixels` are refused before decoding."""
+        folder = Path(folder)
+        try:
+            meta = json.loads((folder / "index.json").read_text())
+        except (OSError, ValueError) as err:
+            raise RetrievalError(f"{folder} is not a search index ({err}): build one with "
+                                 "defrag index") from err
+        if meta.get("format") != INDEX_FORMAT:
+            raise RetrievalError(f"index {folder} has format {meta.get('format')!r}, this code "
+                                 f"reads {INDEX_FORMAT}: rebuild it with trainer.search.index")
+        model = Path(model or meta["model_dir"])
+        embedder = _load(model, None, None, meta["parser"])
+        if embedder.model_key != meta["model"]:
+            raise IndexMismatch(f"index {folder} was built with the model whose checksums key is "
+                                f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
+                                f"({embedder.model_key[:16]}): rebuild the index with this "
+                                "model, or open it with its own")
+        if meta.get("decoder") != DECODER_VERSION:  # indexes before the version have none
+            log.warning("index %s was built by an earlier image decoder (version %s, this code "
+                        "decodes with %d: EXIF orientation, 16-bit and transparent images are "
+                        "read differently): rebuild it with trainer.search.index", folder,
+                        meta.get("decoder", 1), DECODER_VERSION)
+        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"],
+                                                     max_image_pixels=max_image_pixels), model)
+
+    def warm_up(self) -> None:
+        """Load the parser now (seconds), not at the first query."""
+        with self._parse:
+            parse_captions(["a dog"], self.embedder)
+
+    @property
+    def image_names(self) -> list[str]:
+        return self.images.items
+
+    @property
+    def sentences(self) -> list[str]:
+        return self.sentence_set.items if self.sentence_set else []
+
+    def position_of(self, name: str) -> int:
+        """The row of the indexed image `name`; RetrievalError for any other name."""
+        if name not in self.position:
+            raise RetrievalError(f"{name!r} is not an image of this index")
+        return self.position[name]
+
+    def image_file(self, name: str) -> Path:
+        """The file of the indexed image `name`, resolved now: only indexed names have one (no
+        path is ever built from anything else), and only while it is in the indexed folder or
+        (--follow-links) where its link led when indexed. Otherwise one line naming no path,
+        the same for a file gone and a link re-pointed (the web app's 404); the log says which."""
+        self.position_of(name)
+        folder = Path(self.meta["image_folder"])
+        path = Path(os.path.realpath(folder / name))
+        if path.is_file() and (path.is_relative_to(os.path.realpath(folder))
+                               or str(path) == self.meta.get("links", {}).get(name)):
+            return path
+        log.warning("indexed image %r is not served: %s is no file, or leads out of %s "
+                    "(re-linked since it was indexed?)", name, path, folder)
+        raise RetrievalError(f"image {name!r} is not available")
+
+    def images_for(self, text: str, k: int = 10) -> list[Hit]:
+        """The k best images for a sentence."""
+        return self.images_for_rows(self.query_rows(text), k)
+
+    def sentences_for_image(self, name: str, k: int = 10) -> list[Hit]:
+        """The k best sentences of the index for one of its images."""
+        return self.sentences_for_rows(self.images.select([self.position_of(name)]), k)
+
+    def sentences_for_file(self, path: Path, k: int = 10) -> list[Hit]:
+        """The k best sentences of the index for a new image file (e.g. an upload)."""
+        image, _ = embed_images([path], self.embedder, skip_bad=False, progress=False)
+        return self.sentences_for_rows(image, k)
+
+    def images_for_rows(self, query: FragmentSet, k: int = 10,
+                        candidates: int | None = None) -> list[Hit]:
+        """The k best images for an embedded sentence (one item): the first stage's
+        `candidates` (default self.candidates), then the model's score."""
+        found = self.images.candidates(query, max(k, candidates or self.candidates))
+        scores = self._rank(self.images.select(found), query)[:, 0]
+        return [Hit(self.images.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
+
+    def sentences_for_rows(self, image: FragmentSet, k: int = 10,
+                           candidates: int | None = None) -> list[Hit]:
+        """The k best sentences for an embedded image (one item), as `images_for_rows`."""
+        if self.sentence_set is None:
+            raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
+        found = self.sentence_set.candidates(image, max(k, candidates or self.candidates))
+        scores = self._rank(image, self.sentence_set.select(found))[0]
+        return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
+                for i, score in top_k(scores, k)]
+
+    def explain(self, text: str, name: str) -> tuple[Image.Image, dict[str, Any]]:
+        """Figure 4 for a sentence and an indexed image, drawn now, and what it shows."""
+        path, query = self.image_file(name), self.query_rows(text)
+        image = self.images.select([self.position[name]])
+        if self.embedder.model.sentence.whole_sentence:
+            picture, words = explain_words(path, image, text, self.embedder)
+            return picture, {"image": name, "sentence": text, "words": words}
+        picture, fragments = explain(path, image, query, self.embedder)
+        return picture, {"image": name, "sentence": text, "fragments": fragments}
+
+    def query_rows(self, text: str) -> FragmentSet:
+        """A query sentence embedded, or RetrievalError saying why it cannot be searched."""
+        text = " ".join(text.split())
+        if not text:
+            raise RetrievalError("the query is empty: type a sentence")
+        if len(text) > MAX_QUERY_CHARS:
+            raise RetrievalError(f"the query has {len(text)} characters; at most "
+                                 f"{MAX_QUERY_CHARS} are searched: shorten it")
+        with self._parse:
+            caption = parse_captions([text], self.embedder)
+        query = embed_parsed(caption, self.embedder, warn=False)
+        words = len(self.embedder.vocab.words)
+        if self.embedder.model.sentence.whole_sentence and not query.detail[0, 0]:
+            raise RetrievalError(f"no word of the query is in the model's vocabulary of {words} "
+                                 "words: rephrase it")
+        if not len(query.embeddings):
+            raise RetrievalError(f"the query has no fragment the model knows (a dependency "
+                                 f"triplet whose words and relation are in its vocabulary of "
+                                 f"{words} words): rephrase it")
+        return query
+
+    def _rank(self, images: FragmentSet, sentences: FragmentSet) -> torch.Tensor:
+        objective = self.embedder.cfg.objective
+        return rank(images, sentences, objective.smooth, objective.score)
+
+
+# ---------------------------------------------------------------- building
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A unit of work of the builder: some files of a folder, or one shard."""
+
+    number: int
+    files: tuple[tuple[str, int, int], ...] = ()  # (name, size, mtime_ns): a changed file is new
+    shard: Shard | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shard.samples if self.shard else len(self.files)
+
+    def describe(self) -> dict[str, Any]:
+        """What the unit's part records (credentials in its URL masked)."""
+        return ({"shard": redact(dataclasses.asdict(self.shard))} if self.shard
+                else {"files": [list(stamp) for stamp in self.files]})
+
+
+_WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
+
+
+def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
+                  options: ReadOptions, threads: int) -> None:
+    """A builder process: its threads, its own copy of the model (`_use`)."""
+    torch.set_num_threads(threads)
+    embedder = _load(model, None, None, parser)
+    _use(dataclasses.replace(embedder, boxes=boxes), out, image_folder, options)
+
+
+def _use(embedder: Embedder, out: Path, image_folder: Path | None,
+         options: ReadOptions) -> None:
+    """What `_embed_unit` embeds with and where it writes, in this process."""
+    _WORKER.update(embedder=embedder, out=out, image_folder=image_folder, options=options)
+
+
+def _embed_unit(unit: Unit) -> tuple[int, int]:
+    """Embed one unit into parts/ (tensors, then the JSON that marks it done); its number and
+    size, for the progress bar."""
+    embedder, out = _WORKER["embedder"], _WORKER["out"]
+    if unit.shard:
+        images, sentences, origins, problems = _shard_unit(unit.shard, embedder, out / "files",
+                                                           _WORKER["options"])
+    else:
+        paths = [_WORKER["image_folder"] / name for name, _, _ in unit.files]
+        images, bad = embed_images(paths, embedder, skip_bad=True, progress=False)
+        sentences, origins, problems = None, [], list(bad.values())
+    parts = out / "parts"
+    tensors = {"rows": images.embeddings, "owner": images.owner, "detail": images.detail}
+    if sentences is not None:
+        tensors.update(s_rows=sentences.embeddings, s_owner=sentences.owner,
+                       s_detail=sentences.detail)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, parts / f"{unit.number:06d}.st")
+    write_atomically(parts / f"{unit.number:06d}.json", json.dumps({
+        "unit": unit.describe(), "images": images.items, "problems": redact(problems),
+        "sentences": sentences.items if sentences is not None else None,
+        "sentence_origins": origins}))
+    return unit.number, unit.size
+
+
+def _shard_unit(shard: Shard, embedder: Embedder, files: Path, options: ReadOptions
+                ) -> tuple[FragmentSet, FragmentSet, list[str], list[str]]:
+    """One shard streamed through the shard reader: its images embedded and written to `files`
+    (boxes back in the file's pixels), its captions embedded as the collection's sentences
+    with the image each describes, and the problems met."""
+    notes, problems = Notes(), []
+    decoded, captions, origins, parts = [], [], [], []
+
+    def embed_decoded() -> None:
+        v = image_fragments(embedder.model, decoded, "cpu")
+        boxes = [torch.from_numpy(image.boxes * np.array(
+            [image.size[0], image.size[1]] * 2, np.float32) / embedder.decoder.image_size)
+            for image in decoded]
+        parts.append(FragmentSet([image.image_id for image in decoded], v,
+                                 owners([len(b) for b in boxes]), torch.cat(boxes)))
+        decoded.clear()
+
+    for sample in shard_samples(shard, options, notes):
+        try:
+            image = embedder.decoder.decode(sample)
+        except BadSample as err:
+            problems.append(f"{shard.url}: sample {sample.get('__key__')!r} skipped: {err}")
+            continue
+        extension = "jpg" if "jpg" in sample else "png"
+        name = image.image_id.replace("/", "_")
+        if Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+            name = f"{name}.{extension}"
+        image = dataclasses.replace(image, image_id=name)
+        write_atomically(files / name, sample[extension])
+        decoded.append(image)
+        for caption in json.loads(sample["json"])["captions"]:
+            captions.append(caption)
+            origins.append(name)
+        if len(decoded) == IMAGE_BATCH:
+            embed_decoded()
+    if decoded:
+        embed_decoded()
+    problems += [problem.message for problem in notes.problems]
+    images = FragmentSet.concat([_no_images(embedder), *parts])
+    return images, embed_parsed(captions, embedder, warn=False), origins, problems
+
+
+def _no_images(embedder: Embedder) -> FragmentSet:
+    """An empty image FragmentSet (FragmentSet.concat needs one part)."""
+    return FragmentSet([], torch.zeros(0, embedder.cfg.model.embed_dim),
+                       torch.zeros(0, dtype=torch.long), torch.zeros(0, 4))
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    """Embed the collection of `args` into args.out (resuming from its parts/); index.json."""
+    embedder = _load(args.model, args.boxes, args.detector_weights, args.parser)
+    out = Path(args.out)
+    if args.images:
+        folder = Path(args.images).resolve()
+        paths, links, skipped = _images_in(folder, args.follow_links)
+        stamps = [(path.name, stat.st_size, stat.st_mtime_ns)
+                  for path in paths for stat in [path.stat()]]
+        units = [Unit(u, tuple(stamps[first:first + UNIT_FILES]))
+                 for u, first in enumerate(range(0, len(stamps), UNIT_FILES))]
+        source, image_folder = {"images": str(folder)}, folder
+    else:
+        split = locate_split(args.shards, args.split, args.manifest)
+        units = [Unit(u, shard=shard) for u, shard in enumerate(split.shards)]
+        source = {"shards": redact(args.shards), "split": args.split}
+        image_folder = (out / "files").resolve()
+        links, skipped = {}, []
+    key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
+           "decoder": DECODER_VERSION, "source": source}
+    parts = _parts_folder(out, key)
+    (out / "files").mkdir(exist_ok=True)
+    todo = [unit for unit in units if not _unit_done(parts, unit)]
+    if len(todo) < len(units):
+        log.info("resuming: %d of %d units embedded already", len(units) - len(todo), len(units))
+    options = ReadOptions(verify="local")
+    with tqdm(total=sum(unit.size for unit in units), initial=sum(
+            unit.size for unit in units if unit not in todo), desc="index images",
+            unit="img") as bar:
+        if args.workers <= 1 or len(todo) <= 1:
+            _use(embedder, out, image_folder, options)
+            for unit in todo:
+                bar.update(_embed_unit(unit)[1])
+        else:
+            threads = max(1, (os.cpu_count() or 1) // args.workers)
+            context = multiprocessing.get_context("spawn")
+            settings = (args.model, embedder.boxes, embedder.parser_name, out, image_folder,
+                        options, threads)
+            with context.Pool(args.workers, _start_worker, settings) as pool:
+                for _, size in pool.imap_unordered(_embed_unit, todo):
+                    bar.update(size)
+    return _write_index(out, units, key, embedder, args, image_folder, links, skipped)
+
+
+def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, str], list[str]]:
+    """The images of `folder` to index; where those that are links leading out of it lead
+    (indexed with --follow-links); and one line for each such link skipped without it (the web
+    app serves an indexed file: a link out would serve whatever it leads to)."""
+    kept, links, skipped = [], {}, []
+    for path in list_images(folder):
+        target = Path(os.path.realpath(path))
+        if target.is_relative_to(folder) or follow_links:
+            kept.append(path)
+            if not target.is_relative_to(folder):
+                links[path.name] = str(target)
+            continue
+        skipped.append(f"{path} is a link to {target}, outside {folder}: pass --follow-links "
+                       "to index such links")
+        log.warning("skipped a link out of the folder: %s", skipped[-1])
+    return kept, links, skipped
+
+
+def _parts_folder(out: Path, key: dict[str, Any]) -> Path:
+    """out/parts for this build: kept when an earlier build of the same key left it."""
+    parts = out / "parts"
+    stamp = parts / "build.json"
+    if parts.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()) != key):
+        log.info("%s holds parts of another build (model, boxes, parser or source): "
+                 "starting again", parts)
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    write_atomically(stamp, json.dumps(key))
+    return parts
+
+
+def _unit_done(parts: Path, unit: Unit) -> bool:
+    """Whether an earlier build embedded `unit` (its JSON, written last, describes it)."""
+    done = parts / f"{unit.number:06d}.json"
+    return done.is_file() and json.loads(done.read_text())["unit"] == json.loads(
+        json.dumps(unit.describe()))
+
+
+def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Embedder,
+                 args: argparse.Namespace, image_folder: Path, links: dict[str, str],
+                 skipped: list[str]) -> dict[str, Any]:
+    """Merge the parts (in unit order) into the index files; index.json last, parts removed.
+    `links`: the followed links out of the folder and their targets; `skipped`: those not."""
+    image_parts = [_no_images(embedder)]
+    sentence_parts, problems, origins = [], list(skipped), []
+    for unit in units:
+        meta = json.loads((out / "parts" / f"{unit.number:06d}.json").read_text())
+        tensors = load_file(out / "parts" / f"{unit.number:06d}.st")
+        image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
+                                       tensors["detail"]))
+        problems += meta["problems"]
+        if meta["sentences"] is not None:
+            sentence_parts.append(FragmentSet(meta["sentences"], tensors["s_rows"],
+                                              tensors["s_owner"], tensors["s_detail"]))
+            origins += meta["sentence_origins"]
+    images = FragmentSet.concat(image_parts)
+    if not images.items:
+        raise RetrievalError(f"none of the {sum(u.size for u in units)} images could be used "
+                             f"({problems[:3]}...)")
+    if args.sentences:
+        texts, lines = read_sentences(Path(args.sentences))
+        sentences = _embed_sentence_file(texts, embedder)
+        origins = [f"{Path(args.sentences).name}:{line}" for line in lines]
+    else:
+        sentences = FragmentSet.concat(sentence_parts) if sentence_parts else None
+    score = embedder.cfg.objective.score
+    write_collection(out, "images", images, score)
+    if sentences is not None:
+        write_collection(out, "sentences", sentences, score)
+    meta = {"format": INDEX_FORMAT, **key, "model_dir": str(Path(args.model).resolve()),
+            "image_folder": str(image_folder), "links": links, "score": score,
+            "images": images.items,
+            "sentences": sentences.items if sentences is not None else [],
+            "sentence_origins": origins, "problems": problems}
+    write_atomically(out / "index.json", json.dumps(meta, ensure_ascii=False))
+    shutil.rmtree(out / "parts")
+    return {"index": str(out), "images": len(images.items),
+            "sentences": len(meta["sentences"]), "problems": len(problems)}
+
+
+def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
+    """The sentences of a --sentences file, parsed and embedded 256 at a time."""
+    parts = []
+    for first in tqdm(range(0, len(texts), 256), desc="index sentences", unit="x256"):
+        parts.append(embed_sentences(texts[first:first + 256], embedder))
+    return FragmentSet.concat(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`defrag index ...`: build (or finish) an index; a summary line of JSON."""
+    parser = argparse.ArgumentParser(prog="defrag index", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="model folder")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--images", type=Path, help="folder of JPEG / PNG images")
+    where.add_argument("--shards", help="featurizer output folder, its URL, or a shard list")
+    parser.add_argument("--split", default="val", help="split of --shards (default: val)")
+    parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
+    parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="also index --images links that lead out of the folder (skipped "
+                             "by default: the web app serves what an indexed link leads to)")
+    parser.add_argument("--out", required=True, type=Path, help="the index folder")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="embedding processes")
+    parser.add_argument("--boxes", choices=("selective_search", "detector", "fullframe"),
+                        help="box source for --images (default: the model's training shards')")
+    parser.add_argument("--detector-weights", help="state-dict file for --boxes detector")
+    parser.add_argument("--parser", choices=("stanza", "spacy"), help="dependency parser")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with one_line_errors(parser.prog, args.debug):
+        summary = build(args)
+    print(json.dumps(summary))
+

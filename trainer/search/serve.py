@@ -1,0 +1,268 @@
+"""The search web app: a page and a JSON API over a search index (trainer/search/index.py) of a photo
+collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
+
+    defrag serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
+                            [--max-upload-mb 10] [--max-image-pixels 40000000]
+                            [--upload-slots 2]
+
+Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
+/openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/search/static: nothing is
+fetched from the internet (FastAPI's /docs and /redoc, which load Swagger from a CDN, are off).
+
+Endpoints that run the model are plain `def`: FastAPI runs them in its thread pool, several at
+once. SearchIndex serialises its parser itself; the model only runs forward passes in eval mode,
+which torch allows from several threads, so no lock is taken here. Every bad input answers a 4xx
+with {"error": "one line"} and the server goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import logging
+import tempfile
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote
+
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from defrag.cli import add_debug_flag, describe, one_line_errors
+from defrag.images import add_pixel_limit_flag
+from trainer.search.embedder import ImageTooLargeError, RetrievalError
+from trainer.search.index import MAX_QUERY_CHARS, Hit, SearchIndex
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+MIB = 2**20
+MAX_K = 100  # results one request may ask for
+UPLOAD_SLOTS = 2  # uploads decoded at once: the server's memory is bounded by this x one upload's
+
+
+class ErrorBody(BaseModel):
+    """What every failed request answers."""
+
+    error: str
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error answers an endpoint gives."""
+    meaning = {400: "a bad input (the message says which)", 404: "not an indexed image",
+               413: "the upload is over the size or pixel limit", 415: "the upload is not image/*",
+               422: "a parameter is missing or out of range"}
+    return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
+
+
+def create_app(index: SearchIndex, max_upload_bytes: int,
+               upload_slots: int = UPLOAD_SLOTS) -> FastAPI:
+    """The app over an opened index; uploads over `max_upload_bytes`, or over the index
+    embedder's pixel bound (from the image header, before decoding), are refused (413); at most
+    `upload_slots` uploads are decoded at once, by as many threads of their own (so that the
+    memory the allocator keeps after a decode is kept by those few threads only), the others
+    wait their turn."""
+    decoders = ThreadPoolExecutor(upload_slots, thread_name_prefix="upload")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Shut the decoding threads down when the server stops (its requests are answered)."""
+        yield
+        decoders.shutdown(wait=True, cancel_futures=True)
+
+    app = FastAPI(
+        title="DeFrag search", version="1", docs_url=None, redoc_url=None, lifespan=lifespan,
+        description="Search a photo collection with sentences, and sentences with photos, using "
+                    "a Deep Fragment Embeddings model (Karpathy et al., NIPS 2014). Errors "
+                    "answer {\"error\": message}.")
+
+    @app.exception_handler(RetrievalError)
+    async def bad_input(request: Request, err: RetrievalError) -> JSONResponse:
+        return JSONResponse({"error": describe(err)}, status_code=400)
+
+    @app.exception_handler(ImageTooLargeError)
+    async def too_many_pixels(request: Request, err: ImageTooLargeError) -> JSONResponse:
+        return JSONResponse({"error": describe(err)}, status_code=413)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code,
+                            headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = ("{}: {}".format(".".join(str(part) for part in e["loc"][1:]) or e["loc"][0],
+                                    e["msg"]) for e in err.errors())
+        return JSONResponse({"error": "; ".join(problems)}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def failure(request: Request, err: Exception) -> JSONResponse:
+        """A bug: one line for the page; uvicorn logs the traceback."""
+        return JSONResponse({"error": f"internal error: {describe(err)}"}, status_code=500)
+
+    @functools.lru_cache(maxsize=32)
+    def explained(text: str, name: str) -> tuple[bytes, dict[str, Any]]:
+        """Figure 4 as PNG bytes and its details; kept, since the page asks for both."""
+        picture, details = index.explain(text, name)
+        png = io.BytesIO()
+        picture.save(png, format="PNG")
+        return png.getvalue(), details
+
+    async def upload_body(request: Request) -> bytes:
+        """The raw image bytes of an upload, read no further than `max_upload_bytes`."""
+        kind = request.headers.get("content-type", "")
+        if not kind.startswith("image/"):
+            got = f"got {kind!r}" if kind else "got none"
+            raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
+                                     f"image/jpeg or image/png ({got})")
+        too_big = HTTPException(413, f"the upload is over the limit of "
+                                     f"{max_upload_bytes / MIB:g} MiB: send a smaller image")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_upload_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_upload_bytes:
+                raise too_big
+        if not body:
+            raise HTTPException(400, "the upload is empty: send an image file's bytes")
+        return bytes(body)
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/api/info", summary="The index and its model",
+             description="The model folder and its checksums key, how many images and sentences "
+                         "the index holds, and this server's limits.")
+    def info() -> dict[str, Any]:
+        return {"model": str(index.model_dir), "model_key": index.embedder.model_key,
+                "images": len(index.image_names), "sentences": len(index.sentences),
+                "max_query_chars": MAX_QUERY_CHARS, "max_upload_bytes": max_upload_bytes,
+                "max_k": MAX_K, "max_image_pixels": index.embedder.max_image_pixels}
+
+    @app.get("/api/search", summary="Sentence -> best images", responses=_errors(400, 422),
+             description="The k indexed images that best match the sentence `q`, best first, "
+                         "with the model's score and the URL of each image.")
+    def search(q: str = Query(description="the sentence to search for"),
+               k: int = Query(10, ge=1, le=MAX_K, description="how many images")
+               ) -> dict[str, Any]:
+        hits = index.images_for(q, k)
+        return {"query": q, "results": [
+            {"rank": rank, "image": hit.item, "score": hit.score, "url": image_url(hit.item)}
+            for rank, hit in enumerate(hits, 1)]}
+
+    @app.get("/api/sentences", summary="Indexed image -> best sentences",
+             responses=_errors(400, 422),
+             description="The k sentences of the index that best describe the indexed image "
+                         "`image` (a file name, as /api/search answers it), best first.")
+    def sentences_for_image(
+            image: str = Query(description="an indexed image's file name"),
+            k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
+    ) -> dict[str, Any]:
+        hits = index.sentences_for_image(image, k)
+        return {"image": image, "url": image_url(image), "results": sentence_results(hits)}
+
+    @app.post("/api/sentences", summary="Uploaded image -> best sentences",
+              responses=_errors(400, 413, 415, 422),
+              description="The k sentences of the index that best describe a new image: POST "
+                          "the JPEG or PNG file's bytes as the body with Content-Type image/*, "
+                          f"at most {max_upload_bytes / MIB:g} MiB (--max-upload-mb) and "
+                          f"{index.embedder.max_image_pixels} pixels (--max-image-pixels).",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "image/*": {"schema": {"type": "string", "format": "binary"}}}}})
+    def sentences_for_upload(
+            k: int = Query(10, ge=1, le=MAX_K, description="how many sentences"),
+            body: bytes = Depends(upload_body)) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="defrag-upload-") as folder:
+            path = Path(folder) / "upload"
+            path.write_bytes(body)
+            try:
+                hits = decoders.submit(index.sentences_for_file, path, k).result()
+            except RetrievalError as err:  # the message names the temporary file
+                raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
+        return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
+
+    @app.get("/api/explain", summary="Why an image matches a sentence (Figure 4)",
+             responses={**_errors(400, 422), 200: {
+                 "content": {"image/png": {}, "application/json": {}},
+                 "description": "the picture (PNG), or its details with format=json"}},
+             description="The paper's Figure 4 for the sentence `q` and the indexed image "
+                         "`image`: each sentence fragment linked to its best box (for a "
+                         "whole-sentence model, each word's contribution to the score). "
+                         "format=json answers what the picture shows.")
+    def explain(q: str = Query(description="the sentence"),
+                image: str = Query(description="an indexed image's file name"),
+                format: Literal["png", "json"] = Query("png", description="png or json")
+                ) -> Response:
+        png, details = explained(q, image)
+        if format == "json":
+            return JSONResponse(details)
+        return Response(png, media_type="image/png")
+
+    @app.get("/images/{name}", summary="An indexed image file", responses=_errors(404),
+             description="The file of an indexed image. Only the index's own file names are "
+                         "served, and only while the file (resolved at each request) is still "
+                         "in the indexed folder; anything else is 404.")
+    def image_file(name: str) -> FileResponse:
+        try:
+            path = index.image_file(name)
+        except RetrievalError as err:  # gone or re-linked out: one line naming no path
+            raise HTTPException(404, describe(err)) from err
+        return FileResponse(path)
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def image_url(name: str) -> str:
+    return f"/images/{quote(name, safe='')}"
+
+
+def sentence_results(hits: list[Hit]) -> list[dict[str, Any]]:
+    return [{"rank": rank, "sentence": hit.item, "score": hit.score}
+            for rank, hit in enumerate(hits, 1)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`defrag serve --index INDEX`: open the index, then serve until interrupted."""
+    parser = argparse.ArgumentParser(prog="defrag serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", required=True, type=Path,
+                        help="a search index folder (defrag index)")
+    parser.add_argument("--model", type=Path,
+                        help="model folder (default: the one that built the index)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-upload-mb", type=float, default=10.0,
+                        help="largest image upload, in MiB (default 10)")
+    add_pixel_limit_flag(parser)
+    parser.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS,
+                        help=f"uploads decoded at once, the others wait (default {UPLOAD_SLOTS}): "
+                             f"peak memory grows by about this x 8 bytes x --max-image-pixels")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    if args.max_upload_mb <= 0:
+        parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if args.upload_slots < 1:
+        parser.error(f"--upload-slots must be >= 1, got {args.upload_slots}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with one_line_errors(parser.prog, args.debug):
+        index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
+        index.warm_up()
+    app = create_app(index, int(args.max_upload_mb * MIB), args.upload_slots)
+    log.info("serving %d images and %d sentences of %s", len(index.image_names),
+             len(index.sentences), args.index)
+    uvicorn.run(app, host=args.host, port=args.port)
+
