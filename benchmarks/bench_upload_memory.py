@@ -1,5 +1,5 @@
-"""Peak memory of the search web app (trainer/search/serve.py) while clients post worst-case images at
-the same moment, against a floor measured in the same run: the server's idle RSS plus an
+"""Peak memory of the search web app (trainer/search/serve.py) while clients post worst-case images
+at the same moment, against a floor measured in the same run: the server's idle RSS plus an
 allowance. Exits 1 when a phase's peak is over its floor.
 
 Two phases, each with --clients clients released together (a barrier) on POST /api/sentences:

@@ -23,8 +23,8 @@ from PIL import ExifTags, Image, ImageOps
 
 MAX_IMAGE_PIXELS = 40_000_000  # the default bound: a 40 Mpx RGB image decodes to 120 MB
 # Bump it whenever `decode` gives other pixels for the same bytes: caches of features computed
-# from decoded pixels (trainer/data/feature_cache.py feature_stamp) are keyed by it. 2: EXIF orientation
-# applied, 16-bit images scaled (not clipped) to 8 bits.
+# from decoded pixels (trainer/data/feature_cache.py feature_stamp) are keyed by it. 2: EXIF
+# orientation applied, 16-bit images scaled (not clipped) to 8 bits.
 DECODER_VERSION = 2
 
 # Transparent pixels are shown over white: the web app's page, browsers and most image viewers

@@ -1,6 +1,7 @@
-"""A small photo collection to search, for the web app's tests and benchmark (trainer/search/serve.py):
-generated scenes, a fragments model really trained on them by the project's Trainer (about 20 s
-on one thread), its search index, and a caption the model ranks its own image first for.
+"""A small photo collection to search, for the web app's tests and benchmark
+(trainer/search/serve.py): generated scenes, a fragments model really trained on them by the
+project's Trainer (about 20 s on one thread), its search index, and a caption the model ranks its
+own image first for.
 
 The collection is one scene of each twin pair of the val split (a twin has the same colours on
 other shapes), so a caption is told from the other images by more than its colour-shape binding.
@@ -71,8 +72,9 @@ def build_world(root: Path) -> SearchWorld:
             captions[path.name] = record["captions"]
         sentences = root / "sentences.txt"
         sentences.write_text("".join(f"{c}\n" for cs in captions.values() for c in cs))
-        trainer.search.index.main(["--model", str(model_dir), "--images", str(photos), "--sentences",
-                            str(sentences), "--out", str(root / "index"), "--workers", "1"])
+        trainer.search.index.main(["--model", str(model_dir), "--images", str(photos),
+                                   "--sentences", str(sentences), "--out", str(root / "index"),
+                                   "--workers", "1"])
         query, expected, margin = clearest_caption(model_dir, photos, captions)
     if margin < MIN_MARGIN:
         raise RuntimeError(f"the trained model tells no caption's image from the others by "

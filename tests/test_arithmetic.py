@@ -1,6 +1,6 @@
-"""Kiros et al.'s multimodal vector arithmetic (trainer/search/arithmetic.py) on a really trained model:
-a linear-encoder model learns generated scenes, then for every val image, every colour c it shows
-and every colour c' it does not, the query image - "c" + "c'" ranks the val images, and the
+"""Kiros et al.'s multimodal vector arithmetic (trainer/search/arithmetic.py) on a really trained
+model: a linear-encoder model learns generated scenes, then for every val image, every colour c it
+shows and every colour c' it does not, the query image - "c" + "c'" ranks the val images, and the
 images with colour c' fill its top 10 far above chance.
 
 The model is trained by the project's own Trainer (`Trainer.fit`: loader, frozen-CNN feature

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, SHAPES, generate, make_scenes
+from tests import DEFRAG
 from tests.test_train_e2e import finish, tiny_config, torchrun
 from trainer.caption.captioner import Captioner
 from trainer.caption.data import (
@@ -203,11 +204,10 @@ def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_module(*args: str) -> str:
+def run(*command: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -231,17 +231,17 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     config = tmp_path / "captioner.json"
     cfg = caption_config(tmp_path, scenes_200, encoder_run / "run" / "best", epochs=6)
     config.write_text(json.dumps(cfg.to_dict()))
-    summary = json.loads(run_module("torch.distributed.run", "--nproc_per_node", "2", "-m",
-                                    "trainer.caption.train", "--config",
-                                    str(config)).strip().splitlines()[-1])
+    summary = json.loads(run(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                             "2", "-m", "trainer.caption.train", "--config",
+                             str(config)).strip().splitlines()[-1])
     assert summary["best_dev_perplexity"] < 5, summary  # a templated language
 
     downloaded = tmp_path / "downloaded"
-    run_module("trainer.store.registry", "download", "models:/defrag-captioner@champion", "--dst",
-               str(downloaded), "--tracking-uri", summary["tracking_uri"])
+    run(DEFRAG, "registry", "download", "models:/defrag-captioner@champion", "--dst",
+        str(downloaded), "--tracking-uri", summary["tracking_uri"])
     measured = tmp_path / "val.json"
-    run_module("trainer.caption.evaluate", "--model", str(downloaded), "--shards", str(scenes_200),
-               "--split", "val", "--out", str(measured))
+    run(DEFRAG, "caption-eval", "--model", str(downloaded), "--shards", str(scenes_200),
+        "--split", "val", "--out", str(measured))
     results = json.loads(measured.read_text())
     scenes = make_scenes(VAL_SCENES, seed=0, split="val")
     right, chance = true_rate([row["generated"] for row in results["captions"]], scenes)
@@ -256,7 +256,7 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     assert {"BLEU-4", "METEOR", "retrieval"} <= set(systems["generated"])
 
     images = sorted((scenes_200 / "source" / "images").glob("val_*.png"))[:3]
-    described = json.loads(run_module("trainer.caption.describe", "--model", str(downloaded), "--json",
-                                      *map(str, images)))
+    described = json.loads(run(DEFRAG, "caption", "--model", str(downloaded), "--json",
+                                *map(str, images)))
     assert [row["image"] for row in described] == [image.name for image in images]
     assert all(len(row["captions"]) == 5 and row["nearest_sentence"] for row in described)

@@ -1,7 +1,8 @@
-"""Damaged checkpoints (trainer/training/checkpoint.py) with real tiny trainings: every checkpoint carries
-checksums written last; `--resume latest` skips a damaged newest checkpoint, saying which and why,
-and resumes the newest intact one; an explicit damaged `--resume DIR` fails with one line naming
-the file; a disk that fills up while a checkpoint is written leaves the previous one `latest`."""
+"""Damaged checkpoints (trainer/training/checkpoint.py) with real tiny trainings: every checkpoint
+carries checksums written last; `--resume latest` skips a damaged newest checkpoint, saying which
+and why, and resumes the newest intact one; an explicit damaged `--resume DIR` fails with one line
+naming the file; a disk that fills up while a checkpoint is written leaves the previous one
+`latest`."""
 
 from __future__ import annotations
 

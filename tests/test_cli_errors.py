@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import DEFRAG
 from tests.test_train_e2e import tiny_config
 from trainer.config import Config, ConfigError
 
@@ -54,10 +55,14 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
         Config.load(tmp_path / "missing.yaml")
 
 
-def run_cli(module: str, *args: str, env: dict[str, str] | None = None,
+TRAIN = [sys.executable, "-m", "trainer.main"]  # what torchrun starts in each worker
+EVALUATE = [DEFRAG, "evaluate"]
+
+
+def run_cli(command: list[str], *args: str, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def error_lines(process: subprocess.CompletedProcess) -> list[str]:
@@ -67,21 +72,21 @@ def error_lines(process: subprocess.CompletedProcess) -> list[str]:
 
 def test_a_bad_value_stops_training_before_anything_starts(tmp_path: Path, shards: Path) -> None:
     config = tiny_config(tmp_path, shards)
-    failed = run_cli("trainer.main", "--config", str(config), "optim.lr=abc")
+    failed = run_cli(TRAIN, "--config", str(config), "optim.lr=abc")
     assert failed.returncode == 1
     assert error_lines(failed) == ["trainer.main: error: config key optim.lr = 'abc': expected "
                                    "a number > 0 (--debug shows the traceback)"]
     assert not (tmp_path / "run").exists()  # no run folder, no MLflow run
-    debug = run_cli("trainer.main", "--config", str(config), "optim.lr=abc", "--debug")
+    debug = run_cli(TRAIN, "--config", str(config), "optim.lr=abc", "--debug")
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
 
 
 def test_a_refused_model_folder_is_one_line(tmp_path: Path, shards: Path) -> None:
     (tmp_path / "model").mkdir()
-    failed = run_cli("trainer.evaluate", "--model", str(tmp_path / "model"), "--shards",
+    failed = run_cli(EVALUATE, "--model", str(tmp_path / "model"), "--shards",
                      str(shards))
     assert failed.returncode == 1
-    assert error_lines(failed) == [f"trainer.evaluate: error: {tmp_path / 'model'}: "
+    assert error_lines(failed) == [f"defrag evaluate: error: {tmp_path / 'model'}: "
                                    f"checksums.json is missing; not a model folder, or an "
                                    f"incomplete copy (--debug shows the traceback)"]
 
@@ -90,7 +95,7 @@ def test_overrides_may_follow_the_options(tmp_path: Path, shards: Path) -> None:
     """`--resume DIR key=value` after other overrides: every override is read (the bad one
     named), none refused as an unrecognized argument."""
     config = tiny_config(tmp_path, shards)
-    failed = run_cli("trainer.main", "--config", str(config), "optim.epochs=3", "--resume",
+    failed = run_cli(TRAIN, "--config", str(config), "optim.epochs=3", "--resume",
                      str(tmp_path / "run" / "checkpoints" / "step-00000010"), "optim.lr=abc")
     assert failed.returncode == 1
     assert error_lines(failed) == ["trainer.main: error: config key optim.lr = 'abc': expected "
@@ -100,7 +105,7 @@ def test_overrides_may_follow_the_options(tmp_path: Path, shards: Path) -> None:
 @pytest.mark.slow
 def test_an_unreachable_tracking_server_is_one_line(tmp_path: Path, shards: Path) -> None:
     config = tiny_config(tmp_path, shards)
-    failed = run_cli("trainer.main", "--config", str(config),
+    failed = run_cli(TRAIN, "--config", str(config),
                      env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
     assert failed.returncode == 1
     lines = error_lines(failed)

@@ -347,7 +347,7 @@ def test_evaluate_command_on_a_damaged_split(shards: Path, model_folder: Path,
     path, _ = damage_shard(copy, VAL_SHARD, HEADER)  # caught by its checksum: 5 images lost
     refused = evaluate_command(model_folder, copy)
     assert refused.returncode != 0
-    assert ("trainer.evaluate: error: evaluated 5 of the 10 images and 25 of the 50 sentences "
+    assert ("defrag evaluate: error: evaluated 5 of the 10 images and 25 of the 50 sentences "
             "of split 'val' (1 data problems)") in refused.stderr, refused.stderr[-3000:]
     assert str(path) in refused.stderr and "sha256" in refused.stderr
     assert "Traceback" not in refused.stderr
@@ -364,7 +364,7 @@ def test_evaluate_command_on_a_damaged_split(shards: Path, model_folder: Path,
     path.unlink()
     missing = evaluate_command(model_folder, copy)
     assert missing.returncode != 0
-    assert "trainer.evaluate: error: 1 of the 2 shards of split 'val' are missing" in missing.stderr
+    assert "defrag evaluate: error: 1 of the 2 shards of split 'val' are missing" in missing.stderr
     assert "Traceback" not in missing.stderr
     assert str(path) in missing.stderr
 

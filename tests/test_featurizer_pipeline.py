@@ -11,7 +11,7 @@ from PIL import Image
 import featurizer.pipeline as pipeline
 import featurizer.shards as shards_module
 from defrag.vocab import Vocabulary
-from featurizer.__main__ import main
+from featurizer.command import main
 from featurizer.parsing import ParsedCaption, ParserUnavailable
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
@@ -289,7 +289,7 @@ def test_cli_jsonl_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "f8k").mkdir()
     (tmp_path / "f8k/tokens.txt").write_text("a.jpg#0\tA dog .\n")
     (tmp_path / "f8k/train.txt").write_text("a.jpg\n")
-    with pytest.raises(SystemExit, match="featurizer flickr: error: .*test.txt does not exist"):
+    with pytest.raises(SystemExit, match="featurize flickr: error: .*test.txt does not exist"):
         main(["flickr", "--root", str(tmp_path / "f8k"), "--token-file", "tokens.txt",
               "--split-file", "train=train.txt", "--split-file", "test=test.txt",
               "--splits", "train", "test", "--out", str(tmp_path / "f8k_out"), "--parser", "spacy"])

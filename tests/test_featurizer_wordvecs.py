@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from defrag.vocab import Vocabulary
-from featurizer.__main__ import main
+from featurizer.command import main
 from featurizer.wordvecs import caption_tokens
 from trainer.wordvecs import load_word_vectors
 

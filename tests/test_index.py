@@ -1,5 +1,5 @@
-"""trainer/search/index.py: a collection embedded once and searched in two stages. Built from an image
-folder and from shards, it scores as the exact scan and the evaluation do; its first stage is
+"""trainer/search/index.py: a collection embedded once and searched in two stages. Built from an
+image folder and from shards, it scores as the exact scan and the evaluation do; its first stage is
 checked against a slow reference written from its definition (the mean rows' inner products);
 a build resumes from its finished units and two processes build what one does; bad queries and
 another model get one clear line."""

@@ -86,7 +86,8 @@ def test_a_killed_loader_process_is_named() -> None:
 
 def test_a_loader_process_outlives_a_sigterm() -> None:
     """SLURM sends SIGTERM to every process of a job at its time limit: the loader processes go
-    on, so their training process reaches the step where it stops (trainer/training/preemption.py)."""
+    on, so their training process reaches the step where it stops
+    (trainer/training/preemption.py)."""
     chunks = run_in_processes(numbered_chunks, 1, chunk_images=3, image_shape=SHAPE, prefetch=2)
     first = next(chunks)
     [child] = multiprocessing.active_children()

@@ -1,6 +1,6 @@
-"""Stop on request (trainer/training/preemption.py): rank 0's request file or SIGTERM to any rank decides
-for every rank, and a training run so stopped checkpoints, stops, and resumes from there to the
-end, under torchrun too."""
+"""Stop on request (trainer/training/preemption.py): rank 0's request file or SIGTERM to any rank
+decides for every rank, and a training run so stopped checkpoints, stops, and resumes from there to
+the end, under torchrun too."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A SIGTERM during an epoch's validation (trainer/training/loop.py): the run stops with the end-of-epoch
-checkpoint instead of starting the next epoch, and the resumed run records each epoch once."""
+"""A SIGTERM during an epoch's validation (trainer/training/loop.py): the run stops with the
+end-of-epoch checkpoint instead of starting the next epoch, and the resumed run records each epoch
+once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""trainer/search/pyfunc_model.py and the registry's MLflow models on a real sqlite store: a registered
-model folder loads with `mlflow.pyfunc.load_model` (nothing unpickled) and answers the embedder's
-own vectors, in-process and through `mlflow models serve`; it searches a `trainer.search.index` index
-given as params, and refuses one built by another model; `download_model` still gives the plain
-model folder, also for a version registered before the pyfunc (no MLmodel)."""
+"""trainer/search/pyfunc_model.py and the registry's MLflow models on a real sqlite store: a
+registered model folder loads with `mlflow.pyfunc.load_model` (nothing unpickled) and answers the
+embedder's own vectors, in-process and through `mlflow models serve`; it searches a
+`trainer.search.index` index given as params, and refuses one built by another model;
+`download_model` still gives the plain model folder, also for a version registered before the pyfunc
+(no MLmodel)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""A resume on another number of ranks (trainer.training.checkpoint `resume_changes`): refused mid-epoch,
-where the rest of the epoch is dealt by (rank, world size), and for DeepSpeed's ZeRO partitions,
-which load only on the world size that wrote them; accepted at an epoch's end under DDP."""
+"""A resume on another number of ranks (trainer.training.checkpoint `resume_changes`): refused
+mid-epoch, where the rest of the epoch is dealt by (rank, world size), and for DeepSpeed's ZeRO
+partitions, which load only on the world size that wrote them; accepted at an epoch's end under
+DDP."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""trainer/search/retrieve.py and the modules it uses (embedder, embedding_cache, explain, arithmetic)
-end to end through `main([...])` on tiny models and generated scenes: scores equal the
+"""trainer/search/retrieve.py and the modules it uses (embedder, embedding_cache, explain,
+arithmetic) end to end through `main([...])` on tiny models and generated scenes: scores equal the
 evaluation's (for an ensemble folder: the mean of its members', in trainer.evaluate too), the
 index cache is reused and invalidated, --explain draws the alignment (fragments) or each word's
 contribution (whole-sentence encoders), --minus / --plus compute Kiros et al.'s eq. 15, and bad
@@ -125,8 +125,8 @@ def messages(caplog: pytest.LogCaptureFixture) -> str:
 
 @pytest.fixture(autouse=True)
 def info_logs(caplog: pytest.LogCaptureFixture) -> None:
-    for module in ("trainer.search.retrieve", "trainer.search.embedder", "trainer.search.embedding_cache",
-                   "trainer.search.explain"):
+    for module in ("trainer.search.retrieve", "trainer.search.embedder",
+                   "trainer.search.embedding_cache", "trainer.search.explain"):
         caplog.set_level(logging.INFO, logger=module)
 
 

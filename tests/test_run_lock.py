@@ -1,6 +1,6 @@
-"""The run_dir lock (trainer/training/run_lock.py): a second run on a run_dir in use is refused in one line
-naming the holder while the first finishes untouched; a lock whose holder is gone (a dead process
-here, a stopped heartbeat on another node, this job's own earlier process) is taken over; a
+"""The run_dir lock (trainer/training/run_lock.py): a second run on a run_dir in use is refused in
+one line naming the holder while the first finishes untouched; a lock whose holder is gone (a dead
+process here, a stopped heartbeat on another node, this job's own earlier process) is taken over; a
 run_dir the run cannot write fails at once, naming it."""
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def write_lock(run_dir: Path, heartbeat_age: float = 0.0, **fields: object) -> P
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     killed = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from trainer.training.run_lock import RunDirLock; "
+        [sys.executable, "-c", "import os, signal, sys; "
+         "from trainer.training.run_lock import RunDirLock; "
          "RunDirLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
          str(run_dir)], cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL
@@ -337,7 +338,8 @@ def test_a_lock_a_third_run_took_before_the_put_back_is_named_in_an_error(tmp_pa
         return found
 
     lock._gone, lock._read = others_takeover_meanwhile, third_run_links_meanwhile
-    with caplog.at_level(logging.ERROR, logger="trainer.training.run_lock"), pytest.raises(RunDirInUse):
+    with (caplog.at_level(logging.ERROR, logger="trainer.training.run_lock"),
+          pytest.raises(RunDirInUse)):
         lock.acquire()
     assert re.search(rf"run_dir {tmp_path}: cannot put back the lock of host node-8 pid 4343 "
                      r"\(since .*\), moved away while judged: host node-9 pid 4444 "

@@ -133,8 +133,9 @@ def test_one_line_errors_and_the_log_lines_of_a_command_mask_credentials(
         raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar is not in the manifest")
     assert stop.value.code == (f"prog: error: shard http://{USER}:{MASK}@h/x.tar is not in the "
                                "manifest (--debug shows the traceback)")
-    assert [record.getMessage() for record in caplog.records
-            if record.name == "trainer.data.reader"] == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
+    retried = [record.getMessage() for record in caplog.records
+               if record.name == "trainer.data.reader"]
+    assert retried == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
 
 
 def test_the_tags_of_a_failed_run_are_masked(tmp_path: Path,

@@ -1,6 +1,6 @@
-"""trainer/search/serve.py, the search web app, as a real uvicorn server on 127.0.0.1 over the index of a
-small trained model (tests/search_world.py): a caption finds its image first, an indexed or
-uploaded image finds sentences, Figure 4 comes back as a PNG, /openapi.json documents the API;
+"""trainer/search/serve.py, the search web app, as a real uvicorn server on 127.0.0.1 over the
+index of a small trained model (tests/search_world.py): a caption finds its image first, an indexed
+or uploaded image finds sentences, Figure 4 comes back as a PNG, /openapi.json documents the API;
 every bad input of issue #17 gets one clear 4xx line and the server answers afterwards."""
 
 from __future__ import annotations

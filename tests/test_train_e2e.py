@@ -200,8 +200,8 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     """A sequence encoder (Kiros's LSTM) and a tree encoder (Socher's DT-RNN) through the normal
     commands: a 2-process training (C_G alone, the CNN fixed; cosine scores: with Socher's inner
     product this tiny run does not beat chance at lr 0.05) beats chance on val, and the model
-    folder alone tells trainer.evaluate and trainer.search.retrieve what it is. linear and sdtrnn share
-    all but their forward with these (tests/test_encoders.py tests it), and keep CI short."""
+    folder alone tells trainer.evaluate and trainer.search.retrieve what it is. linear and sdtrnn
+    share all but their forward with these (tests/test_encoders.py tests it), and keep CI short."""
     config = tiny_config(tmp_path, shards)
     overrides = [f"model.sentence_encoder={encoder}", "objective.use_fragment=false",
                  f"objective.score={score}", f"objective.margin={margin}", "optim.epochs=8",

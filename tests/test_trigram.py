@@ -1,6 +1,6 @@
-"""The Kneser-Ney trigram model (trainer/caption/trigram.py) on a tiny corpus: its scores are NLTK's own
-and those of the textbook equations, they are probabilities, they survive JSON, and unknown words
-get the documented floor."""
+"""The Kneser-Ney trigram model (trainer/caption/trigram.py) on a tiny corpus: its scores are
+NLTK's own and those of the textbook equations, they are probabilities, they survive JSON, and
+unknown words get the documented floor."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ numbers of boxes, sentence fragments and words as flat tensors with owner indice
 
 Images stay uint8 until `Batch.to(device)` makes them float in [0, 1] on the device: the pair
 shuffle puts an image in several batches, and converting it for each on the CPU can cost more
-than decoding it. An image whose frozen-CNN features are cached (trainer/data/feature_cache.py) is not
-decoded at all: `Batch.decoded` says which are, and a batch of such images only has no `images`.
+than decoding it. An image whose frozen-CNN features are cached (trainer/data/feature_cache.py) is
+not decoded at all: `Batch.decoded` says which are, and a batch of such images only has no `images`.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor | None:
     """uint8 [n, 3, S, S] of the images, stored channels-last: each image is one plain copy of
     its decoded rows (an image is collated into several batches, and moving its channels first
     here cost the training process 0.3 ms per image; the CNN runs channels-last).
-    An image left undecoded (its features are cached, see trainer.data.feature_cache) is zeros; None when
-    no image is decoded."""
+    An image left undecoded (its features are cached, see trainer.data.feature_cache) is zeros;
+    None when no image is decoded."""
     decoded = [image.pixels for image in images if image.pixels is not None]
     if not decoded:
         return None

@@ -20,12 +20,12 @@ import sys
 # name -> (the module whose main(argv) runs it, what it does). A command's module is imported only
 # when it runs, so `defrag --help` and a command that needs no torch start at once.
 COMMANDS = {
-    "featurize": ("featurizer.command", "captioned images -> WebDataset shards (+ manifest, vocab)"),
+    "featurize": ("featurizer.command", "captioned images -> WebDataset shards and manifest"),
     "evaluate": ("trainer.evaluate", "R@K, median and mean rank of a model folder on a split"),
-    "registry": ("trainer.store.registry", "download, list, register, ensemble model folders"),
+    "registry": ("trainer.store.registry", "download, verify, register models; build ensembles"),
     "tracking": ("trainer.store.tracking", "send what a run spooled while MLflow was away"),
     "index": ("trainer.search.index", "build a search index of a split or a folder of images"),
-    "retrieve": ("trainer.search.retrieve", "search images with sentences and sentences with images"),
+    "retrieve": ("trainer.search.retrieve", "search images by sentences, sentences by images"),
     "serve": ("trainer.search.serve", "the search web app over one index"),
     "caption": ("trainer.caption.describe", "describe images in words with a trained captioner"),
     "caption-eval": ("trainer.caption.evaluate", "BLEU, CIDEr, METEOR of a captioner on a split"),

@@ -191,7 +191,8 @@ class RunConfig:
 @dataclass
 class CaptionConfig:
     """The structure-content neural language model (Kiros et al. 2014, 2.5) and its caption
-    generation (5.2): trainer/caption/scnlm.py, trainer/caption/train.py, trainer/caption/captioner.py."""
+    generation (5.2): trainer/caption/scnlm.py, trainer/caption/train.py,
+    trainer/caption/captioner.py."""
 
     # The trained Kiros encoder's model folder: it embeds each training caption (u of eq. 11),
     # and at generation the image; the SC-NLM uses its vocabulary ("the same vocabulary")
@@ -278,8 +279,8 @@ class Config:
         return cls.from_dict(data)
 
 
-# The keys a resume may not change (trainer.training.checkpoint.resume_changes refuses it, listing each
-# `key: old -> new`): they change what the checkpoint's weights, optimizer state and step
+# The keys a resume may not change (trainer.training.checkpoint.resume_changes refuses it, listing
+# each `key: old -> new`): they change what the checkpoint's weights, optimizer state and step
 # counters mean. Every other key may change on resume (lr and its schedule, epochs, eval,
 # logging, checkpointing, paths of caches, registration); the change is logged and tagged.
 RESUME_FIXED = frozenset({

@@ -2,9 +2,10 @@
 
 Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
 latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
-(trainer/training/loop.py), and registers the best model in MLflow. Rank 0 holds the run folder's lock
-for the whole run (trainer/training/run_lock.py). A run asked to stop (the PREEMPT file, or SIGTERM:
-trainer/training/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without registering.
+(trainer/training/loop.py), and registers the best model in MLflow. Rank 0 holds the run folder's
+lock for the whole run (trainer/training/run_lock.py). A run asked to stop (the PREEMPT file, or
+SIGTERM: trainer/training/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without
+registering.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def alignment_figure(image: Image.Image, boxes: torch.Tensor, sentence: str, v: 
                      mode: str) -> tuple[Image.Image, list[tuple[str, int, float]]]:
     """Figure 4 for one image and one sentence: each fragment (ids `fragments` [Ns, 3], embedded
     `s`) linked to its best box (xyxy pixels `boxes` [Nv, 4], embedded `v`). Returns the
-    picture and each fragment's (label, box, score); the trainer and `trainer.search.explain` draw it."""
+    picture and each fragment's (label, box, score); the trainer and `trainer.search.explain` draw
+    it."""
     box, score = best_boxes(v, s)
     labels = fragment_labels(fragments, vocab, mode)
     picture = render_alignment(image, boxes.tolist(), [sentence], labels, box.tolist(),

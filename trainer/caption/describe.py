@@ -1,5 +1,5 @@
-"""Describe images in words with a captioner folder (trainer/caption/captioner.py; Kiros et al. 2014,
-5.2): the best captions of each image, and its nearest training sentence beside them.
+"""Describe images in words with a captioner folder (trainer/caption/captioner.py; Kiros et al.
+2014, 5.2): the best captions of each image, and its nearest training sentence beside them.
 
     defrag caption --model DIR IMAGE... [--json] [--candidates N] [--seed S]
 

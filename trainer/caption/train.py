@@ -7,9 +7,9 @@ as the paper trains it):
 Each rank reads the captions of its share of the training shards (no image is decoded), embeds
 them once with the encoder, and every epoch trains on its prediction windows in an order that is
 a function of (seed, epoch, rank), the same number of steps on every rank (DDP). After each epoch
-rank 0 measures dev perplexity; the captioner folder of the best epoch (trainer/caption/captioner.py) is
-kept as best/ and registered. Checkpoints, resume (mid-epoch too) and clean stops on request work
-as in trainer.main.
+rank 0 measures dev perplexity; the captioner folder of the best epoch
+(trainer/caption/captioner.py) is kept as best/ and registered. Checkpoints, resume (mid-epoch too)
+and clean stops on request work as in trainer.main.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 whole-sentence encoder), along the training code path.
 
 An image is read and checked like the featurizer reads it (`featurizer.images.load_image`), boxed
-by a featurizer box source, then resized with its boxes scaled by `trainer.data.reader.SampleDecoder`,
-exactly like a shard sample; a sentence is parsed by `featurizer.parsing` and encoded with the
-model's own vocabulary (`Vocabulary.encode`, or `encode_words` for whole-sentence encoders).
-The box source and parser are those of the model's training shards, which the model folder
-records (`featurizer.json`; folders saved before it existed: the shards' manifest, when at
-hand); otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
-choose).
+by a featurizer box source, then resized with its boxes scaled by
+`trainer.data.reader.SampleDecoder`, exactly like a shard sample; a sentence is parsed by
+`featurizer.parsing` and encoded with the model's own vocabulary (`Vocabulary.encode`, or
+`encode_words` for whole-sentence encoders). The box source and parser are those of the model's
+training shards, which the model folder records (`featurizer.json`; folders saved before it existed:
+the shards' manifest, when at hand); otherwise selective search and the featurizer's default parser
+(`--boxes` and `--parser` choose).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A registered DeFrag model as an MLflow pyfunc, built from code (MLflow's "models from code"):
-`trainer.store.registry.register_model` logs this file with the model folder as the artifact `model`,
-so `mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve` work and
+`trainer.store.registry.register_model` logs this file with the model folder as the artifact
+`model`, so `mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve` work and
 nothing is pickled (the weights load from safetensors, their checksums verified).
 
 `predict` takes a DataFrame whose rows each hold a `sentence` (text) or an `image` (the bytes of
@@ -9,8 +9,8 @@ a JPEG or PNG file, base64-encoded) and answers one row per input row:
   sentence: its one row); `mean`, their mean [d] (zeros without fragments); `boxes`, an image's
   fragment boxes [n][4] (x1, y1, x2, y2 in the image's pixels; null for a sentence);
 - with params {"index": "photos", "k": 10} (an index built by `defrag index` with
-  this model, one its operator named: trainer/search/served_indexes.py): `hits`, the k best images of
-  the index for a sentence, or its k best sentences for an image, each {"item", "score",
+  this model, one its operator named: trainer/search/served_indexes.py): `hits`, the k best images
+  of the index for a sentence, or its k best sentences for an image, each {"item", "score",
   "position"}, best first.
 
 No error names the server's temporary files (an image row is row-N) or says what exists on disk.

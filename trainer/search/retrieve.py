@@ -158,8 +158,8 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def index_search(args: argparse.Namespace) -> dict[str, Any]:
-    """The report of `search` answered from a search index (trainer.search.index): two-stage search of
-    a collection of any size, embedded once."""
+    """The report of `search` answered from a search index (trainer.search.index): two-stage search
+    of a collection of any size, embedded once."""
     if args.minus or args.plus or args.images or args.sentences:
         raise RetrievalError("--index holds the images and sentences to search: drop --images, "
                              "--sentences, --minus and --plus")

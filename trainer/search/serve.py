@@ -1,13 +1,14 @@
-"""The search web app: a page and a JSON API over a search index (trainer/search/index.py) of a photo
-collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
+"""The search web app: a page and a JSON API over a search index (trainer/search/index.py) of a
+photo collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
 
     defrag serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
                             [--max-upload-mb 10] [--max-image-pixels 40000000]
                             [--upload-slots 2]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
-/openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/search/static: nothing is
-fetched from the internet (FastAPI's /docs and /redoc, which load Swagger from a CDN, are off).
+/openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/search/static:
+nothing is fetched from the internet (FastAPI's /docs and /redoc, which load Swagger from a CDN, are
+off).
 
 Endpoints that run the model are plain `def`: FastAPI runs them in its thread pool, several at
 once. SearchIndex serialises its parser itself; the model only runs forward passes in eval mode,

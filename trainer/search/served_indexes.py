@@ -1,5 +1,5 @@
-"""The search indexes a served model (trainer/search/pyfunc_model.py) opens for its clients: only those
-its operator named, by a name of a configured set or as a folder under a configured root
+"""The search indexes a served model (trainer/search/pyfunc_model.py) opens for its clients: only
+those its operator named, by a name of a configured set or as a folder under a configured root
 (resolved with realpath, so `..`, `//` and links cannot leave it); the last few used stay open,
 keyed by the resolved folder, so many spellings of one index open it once.
 
@@ -7,8 +7,8 @@ A client learns nothing of the server's disk: whatever the reason an index canno
 (outside the root, missing, no index, built by another model), it gets the same one line, which
 lists what the server searches; the server's log says why.
 
-The operator configures it with the model's `model_config` (trainer.store.registry.PYFUNC_CONFIG, set
-with `mlflow.pyfunc.load_model(uri, model_config={...})` or MLflow's
+The operator configures it with the model's `model_config` (trainer.store.registry.PYFUNC_CONFIG,
+set with `mlflow.pyfunc.load_model(uri, model_config={...})` or MLflow's
 MLFLOW_PYFUNC_INFERENCE_CONFIG) or, at serve time, the environment, which wins:
 - `index_root` / DEFRAG_INDEX_ROOT: a folder; a client names an index under it by its path
   relative to it (or its full path);

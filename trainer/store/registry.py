@@ -13,11 +13,11 @@ pickle, a `torch.save` zip) is refused with a message naming the file.
 
 An ensemble folder holds member model folders (member-0, ...) and `ensemble.json` (each member's
 checksums.json sha256 and weight); its image-sentence score is the weighted sum of its members'
-scores (by default their mean). A captioner folder (trainer/caption/captioner.py) holds its encoder's
-model folder (`encoder/`) beside `captioner.json` and the language model's files.
+scores (by default their mean). A captioner folder (trainer/caption/captioner.py) holds its
+encoder's model folder (`encoder/`) beside `captioner.json` and the language model's files.
 
-A registered version is an MLflow pyfunc model built from code (trainer/search/pyfunc_model.py, nothing
-pickled): `MLmodel`, the code file and the environment files, with the model folder as its
+A registered version is an MLflow pyfunc model built from code (trainer/search/pyfunc_model.py,
+nothing pickled): `MLmodel`, the code file and the environment files, with the model folder as its
 artifact `model` (in `artifacts/<folder name>/`, as MLmodel records). So
 `mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve -m
 models:/defrag@champion --env-manager local` work, while `download` still gives the plain model
@@ -79,11 +79,13 @@ MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<vers
 MLMODEL = "MLmodel"  # an MLflow model directory's description
 PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifacts
 PACKAGE = "defrag-trainer"  # this code's distribution: the pyfunc's pip requirement
-PYFUNC_CODE = Path(__file__).parents[1] / "search" / "pyfunc_model.py"  # the pyfunc's code (models from code)
+# the pyfunc's code (MLflow's models from code)
+PYFUNC_CODE = Path(__file__).parents[1] / "search" / "pyfunc_model.py"
 DEFAULT_K = 10  # results of a pyfunc search without params k
 PYFUNC_CONFIG = {"index_root": "", "indexes": {}, "cached_indexes": 2,  # the model_config keys
                  "max_image_pixels": MAX_IMAGE_PIXELS}
-# its operator may set at load or serve time (MLflow takes no others): trainer/search/served_indexes.py
+# its operator may set at load or serve time (MLflow takes no others):
+# trainer/search/served_indexes.py
 SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests choose an index
     inputs=Schema([ColSpec("string", "sentence", required=False),
                    ColSpec("string", "image", required=False)]),
@@ -201,8 +203,8 @@ def training_featurizer(config: Config) -> dict[str, Any] | None:
 
 
 def is_captioner(folder: str | Path) -> bool:
-    """Whether `folder` is a captioner folder (trainer/caption/captioner.py): an encoder and a language
-    model, not a retrieval model."""
+    """Whether `folder` is a captioner folder (trainer/caption/captioner.py): an encoder and a
+    language model, not a retrieval model."""
     return (Path(folder) / CAPTIONER).is_file()
 
 
@@ -456,8 +458,9 @@ def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | N
 def log_pyfunc_model(client: MlflowClient, run_id: str, folder: str | Path,
                      artifact_path: str) -> None:
     """Log `folder` as the run's `artifact_path`: an MLflow pyfunc model from code
-    (trainer/search/pyfunc_model.py) whose artifact `model` is the folder. Its pip requirements are this
-    package and its own, so MLflow infers nothing (inference imports the model, may ask PyPI)."""
+    (trainer/search/pyfunc_model.py) whose artifact `model` is the folder. Its pip requirements are
+    this package and its own, so MLflow infers nothing (inference imports the model, may ask
+    PyPI)."""
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp) / "pyfunc"
         mlflow.pyfunc.save_model(

@@ -10,11 +10,11 @@ A stop is requested two ways:
   job's steps. Inside `stop_on_sigterm` the signal only sets a flag. (At the time limit SLURM
   SIGTERMs srun too, which SIGKILLs its tasks at once: there the SIGUSR1 file path does it.)
 
-The run_dir lock's heartbeat, on finding the lock another run's (trainer/training/run_lock.py), asks for
-the opposite (`fail_after_step`): at the same check (each step's, and one after each epoch's
-validation, before its writes) every rank raises RunDirLost, before any save, so the run
-writes no checkpoint or PREEMPTED into a folder another run now holds and ends FAILED (exit
-status 1), even if a stop was requested too.
+The run_dir lock's heartbeat, on finding the lock another run's (trainer/training/run_lock.py), asks
+for the opposite (`fail_after_step`): at the same check (each step's, and one after each epoch's
+validation, before its writes) every rank raises RunDirLost, before any save, so the run writes no
+checkpoint or PREEMPTED into a folder another run now holds and ends FAILED (exit status 1), even if
+a stop was requested too.
 
 Every step, and after each epoch's end-of-epoch checkpoint, every rank calls `stop_requested`:
 one all-reduce of what each rank saw, so all ranks stop after the same step (a request during
