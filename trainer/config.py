@@ -21,7 +21,6 @@ import yaml
 
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.urls import redact
-from trainer.encoders import NAMES, encoder_class
 
 
 class ConfigError(ValueError):
@@ -46,7 +45,11 @@ PositiveInt = Annotated[int, Above(1)]
 NonNegativeInt = Annotated[int, Above(0)]
 PositiveFloat = Annotated[float, Above(0, inclusive=False)]
 NonNegativeFloat = Annotated[float, Above(0)]
-SentenceEncoderName = Literal[NAMES]  # the modules of trainer/encoders
+# model.sentence_encoder: the modules of trainer/encoders, each with whether it reads a sentence
+# whole into one vector (Kiros', Socher's) instead of into one vector per fragment (eq. 1)
+WHOLE_SENTENCE = {"fragments": False, "linear": True, "gru": True, "lstm": True, "dtrnn": True,
+                  "sdtrnn": True}
+SentenceEncoderName = Literal[tuple(WHOLE_SENTENCE)]
 
 
 @dataclass
@@ -230,7 +233,7 @@ class Config:
     def __post_init__(self) -> None:
         """Refuse incoherent combinations of keys, in one line naming them."""
         encoder = self.model.sentence_encoder
-        if encoder_class(encoder).whole_sentence:
+        if WHOLE_SENTENCE[encoder]:
             if self.objective.use_fragment:
                 raise ConfigError(f"objective.use_fragment=true (C_F, eq. 4/5) needs sentence "
                                   f"fragments; model.sentence_encoder={encoder} gives one vector "

@@ -1,8 +1,8 @@
 """Sentence encoders, one module each (docs/design.md section 3): `model.sentence_encoder` names
 a module of this package, whose `@register`ed `SentenceEncoderBase` subclass builds the encoder.
 
-A new encoder is one new file here: its module name is its config name. The config reads the
-names (`NAMES`) without importing the modules; `encoder_class` imports the one it needs.
+A new encoder is one new file here, its module name its config name, and its row in
+`trainer.config.WHOLE_SENTENCE`; `encoder_class` imports the one module it needs.
 """
 
 from __future__ import annotations
@@ -11,17 +11,24 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
+from trainer.config import WHOLE_SENTENCE
+
 if TYPE_CHECKING:
     from trainer.encoders.base import SentenceEncoderBase
 
 # Every module of this package but `base` (the interface) is an encoder.
 NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"))
+if set(NAMES) != set(WHOLE_SENTENCE):
+    raise ImportError(f"trainer/encoders holds {NAMES}, trainer.config.WHOLE_SENTENCE names "
+                      f"{tuple(WHOLE_SENTENCE)}: give each encoder module its row there")
 _CLASSES: dict[str, type[SentenceEncoderBase]] = {}
 
 
 def register(cls: type[SentenceEncoderBase]) -> type[SentenceEncoderBase]:
     """Class decorator: the encoder of its module's name (`model.sentence_encoder`)."""
-    _CLASSES[cls.__module__.rpartition(".")[2]] = cls
+    name = cls.__module__.rpartition(".")[2]
+    cls.whole_sentence = WHOLE_SENTENCE[name]
+    _CLASSES[name] = cls
     return cls
 
 

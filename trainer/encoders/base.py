@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from trainer.config import ModelConfig
+
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
     from trainer.batch import Batch
-    from trainer.config import ModelConfig
 
 
 def word_vector_parameter(word_vectors: Tensor, trainable: bool) -> nn.Parameter:

@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainer.config import ModelConfig
 from trainer.encoders import register
 from trainer.encoders.base import SentenceEncoderBase, word_vector_parameter
 
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
-    from trainer.config import ModelConfig
 
 INIT_NOISE = 0.01  # std of the Gaussian noise on the block identities (the paper gives none)
 
@@ -89,7 +89,6 @@ class DTRNNEncoder(SentenceEncoderBase):
     """Eq. 4 over the dependency tree, W_pos by the child's position (DT-RNN, Socher 3.2)."""
 
     inputs = ("words", "word_sentence", "word_head", "word_relation")
-    whole_sentence = True
 
     def __init__(self, word_vectors: Tensor, embed_dim: int, max_children: int = 6,
                  train_word_vectors: bool = False) -> None:

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.config import ModelConfig
 from trainer.encoders import register
 from trainer.encoders.base import SentenceEncoderBase, mean_by_owner, word_vector_parameter
 
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
-    from trainer.config import ModelConfig
 
 
 @register
@@ -22,7 +22,6 @@ class SentenceEncoder(SentenceEncoderBase):
     """Eq. 1: one (W_R, b_R) per relation type over the concatenated word vectors, then ReLU."""
 
     inputs = ("fragments", "fragment_sentence")
-    whole_sentence = False
 
     def __init__(self, word_vectors: torch.Tensor, num_relations: int, embed_dim: int,
                  train_word_vectors: bool = False, mean_pool: bool = False) -> None:

@@ -23,7 +23,6 @@ class GRUEncoder(SentenceEncoderBase):
     cosine score normalises)."""
 
     inputs = ("words", "word_sentence")
-    whole_sentence = True
 
     def __init__(self, word_vectors: Tensor, embed_dim: int,
                  train_word_vectors: bool = False) -> None:

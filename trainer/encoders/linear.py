@@ -21,7 +21,6 @@ class LinearEncoder(SentenceEncoderBase):
     """s = W sum_i W_e w_i (Kiros 3.2; no bias, so word contributions add up)."""
 
     inputs = ("words", "word_sentence")
-    whole_sentence = True
 
     def __init__(self, word_vectors: Tensor, embed_dim: int,
                  train_word_vectors: bool = False) -> None:

@@ -37,7 +37,6 @@ class LSTMEncoder(SentenceEncoderBase):
     """Kiros eqs. 1-5: I, F, O gates with peepholes, cell C, hidden M; s = M_N (Kiros 2.2)."""
 
     inputs = ("words", "word_sentence")
-    whole_sentence = True
 
     def __init__(self, word_vectors: Tensor, embed_dim: int,
                  train_word_vectors: bool = False) -> None:

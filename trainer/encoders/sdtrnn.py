@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from trainer.config import ModelConfig
 from trainer.encoders import register
 from trainer.encoders.dtrnn import DTRNNEncoder
 
 if TYPE_CHECKING:
     from defrag.vocab import Vocabulary
-    from trainer.config import ModelConfig
 
 
 @register
