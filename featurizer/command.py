@@ -178,7 +178,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> Settings:
         workers=args.workers, splits=args.splits, limit=args.limit, train_split=args.train_split,
         min_word_count=args.min_word_count, relation_min_fraction=args.relation_min_fraction,
         word_vectors=args.word_vectors, vocab=args.vocab, max_image_pixels=args.max_image_pixels,
-        command=shlex.join(["python", "-m", "featurizer", *argv]))
+        command=shlex.join(["defrag", "featurize", *argv]))
 
 
 def main(argv: list[str] | None = None) -> int:

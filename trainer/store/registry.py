@@ -391,7 +391,7 @@ def register_from_run(tracker: Tracker, folder: str | Path, name: str = "defrag"
         return register_model(tracker.client, tracker.run_id, folder, name, alias, artifact_path)
     except Exception as err:
         command = shlex.join([
-            "python", "-m", "trainer.store.registry", "register", str(Path(folder).resolve()),
+            "defrag", "registry", "register", str(Path(folder).resolve()),
             "--run-id", tracker.run_id, "--tracking-uri", tracker.tracking_uri, "--name", name,
             "--alias", alias, "--artifact-path", artifact_path])
         raise RegistrationFailed(f"{type(err).__name__}: {err}", command) from err
