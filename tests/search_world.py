@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-import trainer.search.index
+import trainer.search.index_builder
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
@@ -72,9 +72,9 @@ def build_world(root: Path) -> SearchWorld:
             captions[path.name] = record["captions"]
         sentences = root / "sentences.txt"
         sentences.write_text("".join(f"{c}\n" for cs in captions.values() for c in cs))
-        trainer.search.index.main(["--model", str(model_dir), "--images", str(photos),
-                                   "--sentences", str(sentences), "--out", str(root / "index"),
-                                   "--workers", "1"])
+        trainer.search.index_builder.main(["--model", str(model_dir), "--images", str(photos),
+                                           "--sentences", str(sentences), "--out",
+                                           str(root / "index"), "--workers", "1"])
         query, expected, margin = clearest_caption(model_dir, photos, captions)
     if margin < MIN_MARGIN:
         raise RuntimeError(f"the trained model tells no caption's image from the others by "

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.search.index as index
+import trainer.search.index_builder as index_builder
 import trainer.search.retrieve as retrieve
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
 from trainer.data.eval_set import load_eval_set
@@ -33,7 +34,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 
 
 def build(*argv: str | Path) -> dict:
-    index.main([str(arg) for arg in argv])
+    index_builder.main([str(arg) for arg in argv])
     return json.loads(Path(argv[argv.index("--out") + 1], "index.json").read_text())
 
 
@@ -135,10 +136,10 @@ def test_shard_index_matches_the_evaluation(world: World, tmp_path: Path) -> Non
 def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(index, "UNIT_FILES", 1)
-    embed_unit = index._embed_unit
+    monkeypatch.setattr(index_builder, "UNIT_FILES", 1)
+    embed_unit = index_builder._embed_unit
 
-    def dies_on_the_third(unit: index.Unit) -> tuple[int, int]:
+    def dies_on_the_third(unit: index_builder.Unit) -> tuple[int, int]:
         if unit.number == 2:
             raise KeyboardInterrupt
         return embed_unit(unit)
@@ -146,12 +147,12 @@ def test_a_build_resumes_from_its_finished_units(world: World, tmp_path: Path,
     images = Path(shutil.copytree(world.images, tmp_path / "images"))
     argv = ["--model", world.model_dir, "--images", images, "--out", tmp_path / "index",
             "--workers", "1"]
-    monkeypatch.setattr(index, "_embed_unit", dies_on_the_third)
+    monkeypatch.setattr(index_builder, "_embed_unit", dies_on_the_third)
     with pytest.raises(KeyboardInterrupt):
         build(*argv)
     assert not (tmp_path / "index" / "index.json").exists()
-    monkeypatch.setattr(index, "_embed_unit", embed_unit)
-    caplog.set_level(logging.INFO, logger="trainer.search.index")
+    monkeypatch.setattr(index_builder, "_embed_unit", embed_unit)
+    caplog.set_level(logging.INFO, logger="trainer.search.index_builder")
     os.utime(images / world.names[1], ns=(0, 0))  # changed since: its unit is embedded again
     resumed = build(*argv)
     assert "resuming: 1 of 4 units embedded already" in caplog.text
@@ -188,8 +189,8 @@ def test_bad_queries_and_another_model_get_one_clear_line(world: World, folder_i
     other = load_embedder(world.linear_dir, None, None, None).model_key
     assert own[:16] in str(refused.value) and other[:16] in str(refused.value)
     with pytest.raises(SystemExit, match="--images .*nowhere: no such folder"):
-        index.main(["--model", str(world.model_dir), "--images", str(world.images / "nowhere"),
-                    "--out", str(folder_index.parent / "x")])
+        index_builder.main(["--model", str(world.model_dir), "--images",
+                            str(world.images / "nowhere"), "--out", str(folder_index.parent / "x")])
 
 
 def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_path: Path,
@@ -206,7 +207,7 @@ def test_links_out_of_the_folder_are_skipped_unless_followed(world: World, tmp_p
     (photos / "inside.png").symlink_to(first)
     (photos / "outside.png").symlink_to(secret)
     argv = ["--model", world.model_dir, "--images", photos, "--workers", "1", "--out"]
-    with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
+    with caplog.at_level(logging.WARNING, logger="trainer.search.index_builder"):
         meta = build(*argv, tmp_path / "index")
     assert meta["images"] == ["inside.png", first]
     named = [r.getMessage() for r in caplog.records if "outside.png" in r.getMessage()]
@@ -299,5 +300,5 @@ def test_the_retrieval_command_searches_an_index(world: World, folder_index: Pat
 def test_an_ensemble_is_refused_naming_its_members(world: World, tmp_path: Path) -> None:
     ensemble = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir], [1, 1])
     with pytest.raises(SystemExit, match="is an ensemble; an index holds one model's fragments"):
-        index.main(["--model", str(ensemble), "--images", str(world.images), "--out",
-                    str(tmp_path / "index")])
+        index_builder.main(["--model", str(ensemble), "--images", str(world.images), "--out",
+                            str(tmp_path / "index")])

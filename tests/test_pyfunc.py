@@ -262,7 +262,7 @@ def test_old_style_logged_files_registered_again_reuse_their_version(store: Stor
 @pytest.fixture(scope="module")
 def index(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An index of the val images and captions, built with the model."""
-    from trainer.search.index import main as build_index
+    from trainer.search.index_builder import main as build_index
 
     root = tmp_path_factory.mktemp("index")
     (root / "images").mkdir()

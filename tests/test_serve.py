@@ -21,7 +21,7 @@ import pytest
 import requests
 from PIL import Image
 
-import trainer.search.index
+import trainer.search.index_builder
 import trainer.search.serve as serve
 from defrag.files import CHECKSUMS
 from tests.search_world import SearchWorld, search_world, serving
@@ -314,8 +314,8 @@ def test_a_link_is_served_only_while_it_stays_in_the_folder(world: SearchWorld,
     secret.write_bytes(b"root:x:0:0:" + (world.photos / kept).read_bytes())
     (photos / "linked.png").symlink_to(kept)
     (photos / "out.png").symlink_to(world.photos / gone)
-    trainer.search.index.main(["--model", str(world.model_dir), "--images", str(photos),
-                        "--out", str(tmp_path / "index"), "--workers", "1"])
+    trainer.search.index_builder.main(["--model", str(world.model_dir), "--images", str(photos),
+                                       "--out", str(tmp_path / "index"), "--workers", "1"])
     index = SearchIndex.open(tmp_path / "index")
     assert index.image_names == ["linked.png", kept, gone]
     with serving(serve.create_app(index, UPLOAD_LIMIT)) as url:

@@ -1,0 +1,332 @@
+"""Build a search index (trainer/search/index.py): embed a folder of images or a split of shards
+in several processes, resumably, then write the index's files.
+
+    defrag index --model DIR --images FOLDER --out INDEX [--sentences FILE]
+    defrag index --model DIR --shards URL --split val --out INDEX
+
+The work is cut into units (256 files of a folder, or one shard); each finished unit is a
+part file in INDEX/parts/, so a rerun of the same command resumes from them (a file changed since
+is embedded again with its unit); the parts are merged in unit order into the index's files and
+removed once index.json is written. The images of a --shards collection are written to
+INDEX/files/ (a folder collection is served from its folder). The sentences are those of a
+--sentences file, else the captions of --shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from defrag.cli import add_debug_flag, one_line_errors
+from defrag.files import write_atomically
+from defrag.images import DECODER_VERSION
+from defrag.urls import redact
+from trainer.batch import owners
+from trainer.data.reader import BadSample, Notes, ReadOptions, shard_samples
+from trainer.data.shardset import Shard, locate_split
+from trainer.search.embedder import (
+    IMAGE_BATCH,
+    Embedder,
+    RetrievalError,
+    embed_images,
+    embed_parsed,
+    embed_sentences,
+    image_fragments,
+)
+from trainer.search.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
+from trainer.search.fragment_set import FragmentSet
+from trainer.search.index import INDEX_FORMAT, load_one_model, write_collection
+
+log = logging.getLogger(__name__)
+
+UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
+
+@dataclass(frozen=True)
+class Unit:
+    """A unit of work of the builder: some files of a folder, or one shard."""
+
+    number: int
+    files: tuple[tuple[str, int, int], ...] = ()  # (name, size, mtime_ns): a changed file is new
+    shard: Shard | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shard.samples if self.shard else len(self.files)
+
+    def describe(self) -> dict[str, Any]:
+        """What the unit's part records (credentials in its URL masked)."""
+        return ({"shard": redact(dataclasses.asdict(self.shard))} if self.shard
+                else {"files": [list(stamp) for stamp in self.files]})
+
+
+_WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
+
+
+def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
+                  options: ReadOptions, threads: int) -> None:
+    """A builder process: its threads, its own copy of the model (`_use`)."""
+    torch.set_num_threads(threads)
+    embedder = load_one_model(model, None, None, parser)
+    _use(dataclasses.replace(embedder, boxes=boxes), out, image_folder, options)
+
+
+def _use(embedder: Embedder, out: Path, image_folder: Path | None,
+         options: ReadOptions) -> None:
+    """What `_embed_unit` embeds with and where it writes, in this process."""
+    _WORKER.update(embedder=embedder, out=out, image_folder=image_folder, options=options)
+
+
+def _embed_unit(unit: Unit) -> tuple[int, int]:
+    """Embed one unit into parts/ (tensors, then the JSON that marks it done); its number and
+    size, for the progress bar."""
+    embedder, out = _WORKER["embedder"], _WORKER["out"]
+    if unit.shard:
+        images, sentences, origins, problems = _shard_unit(unit.shard, embedder, out / "files",
+                                                           _WORKER["options"])
+    else:
+        paths = [_WORKER["image_folder"] / name for name, _, _ in unit.files]
+        images, bad = embed_images(paths, embedder, skip_bad=True, progress=False)
+        sentences, origins, problems = None, [], list(bad.values())
+    parts = out / "parts"
+    tensors = {"rows": images.embeddings, "owner": images.owner, "detail": images.detail}
+    if sentences is not None:
+        tensors.update(s_rows=sentences.embeddings, s_owner=sentences.owner,
+                       s_detail=sentences.detail)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, parts / f"{unit.number:06d}.st")
+    write_atomically(parts / f"{unit.number:06d}.json", json.dumps({
+        "unit": unit.describe(), "images": images.items, "problems": redact(problems),
+        "sentences": sentences.items if sentences is not None else None,
+        "sentence_origins": origins}))
+    return unit.number, unit.size
+
+
+def _shard_unit(shard: Shard, embedder: Embedder, files: Path, options: ReadOptions
+                ) -> tuple[FragmentSet, FragmentSet, list[str], list[str]]:
+    """One shard streamed through the shard reader: its images embedded and written to `files`
+    (boxes back in the file's pixels), its captions embedded as the collection's sentences
+    with the image each describes, and the problems met."""
+    notes, problems = Notes(), []
+    decoded, captions, origins, parts = [], [], [], []
+
+    def embed_decoded() -> None:
+        v = image_fragments(embedder.model, decoded, "cpu")
+        boxes = [torch.from_numpy(image.boxes * np.array(
+            [image.size[0], image.size[1]] * 2, np.float32) / embedder.decoder.image_size)
+            for image in decoded]
+        parts.append(FragmentSet([image.image_id for image in decoded], v,
+                                 owners([len(b) for b in boxes]), torch.cat(boxes)))
+        decoded.clear()
+
+    for sample in shard_samples(shard, options, notes):
+        try:
+            image = embedder.decoder.decode(sample)
+        except BadSample as err:
+            problems.append(f"{shard.url}: sample {sample.get('__key__')!r} skipped: {err}")
+            continue
+        extension = "jpg" if "jpg" in sample else "png"
+        name = image.image_id.replace("/", "_")
+        if Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+            name = f"{name}.{extension}"
+        image = dataclasses.replace(image, image_id=name)
+        write_atomically(files / name, sample[extension])
+        decoded.append(image)
+        for caption in json.loads(sample["json"])["captions"]:
+            captions.append(caption)
+            origins.append(name)
+        if len(decoded) == IMAGE_BATCH:
+            embed_decoded()
+    if decoded:
+        embed_decoded()
+    problems += [problem.message for problem in notes.problems]
+    images = FragmentSet.concat([_no_images(embedder), *parts])
+    return images, embed_parsed(captions, embedder, warn=False), origins, problems
+
+
+def _no_images(embedder: Embedder) -> FragmentSet:
+    """An empty image FragmentSet (FragmentSet.concat needs one part)."""
+    return FragmentSet([], torch.zeros(0, embedder.cfg.model.embed_dim),
+                       torch.zeros(0, dtype=torch.long), torch.zeros(0, 4))
+
+
+def build(model: Path, out: Path, *, images: Path | None = None, shards: str | None = None,
+          split: str = "val", manifest: str | None = None, sentences: Path | None = None,
+          follow_links: bool = False, workers: int = 1, boxes: str | None = None,
+          detector_weights: str | None = None, parser: str | None = None) -> dict[str, Any]:
+    """Embed the folder `images`, or the `split` of `shards`, with `model` into the index folder
+    `out` (resuming from its parts/), then write the index; its summary. `sentences`: a file of
+    sentences to index instead of the shards' captions; the rest as `defrag index`'s flags."""
+    embedder = load_one_model(model, boxes, detector_weights, parser)
+    out = Path(out)
+    if images:
+        folder = Path(images).resolve()
+        paths, links, skipped = _images_in(folder, follow_links)
+        stamps = [(path.name, stat.st_size, stat.st_mtime_ns)
+                  for path in paths for stat in [path.stat()]]
+        units = [Unit(u, tuple(stamps[first:first + UNIT_FILES]))
+                 for u, first in enumerate(range(0, len(stamps), UNIT_FILES))]
+        source, image_folder = {"images": str(folder)}, folder
+    else:
+        units = [Unit(u, shard=shard)
+                 for u, shard in enumerate(locate_split(shards, split, manifest).shards)]
+        source = {"shards": redact(shards), "split": split}
+        image_folder = (out / "files").resolve()
+        links, skipped = {}, []
+    key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
+           "decoder": DECODER_VERSION, "source": source}
+    parts = _parts_folder(out, key)
+    (out / "files").mkdir(exist_ok=True)
+    todo = [unit for unit in units if not _unit_done(parts, unit)]
+    if len(todo) < len(units):
+        log.info("resuming: %d of %d units embedded already", len(units) - len(todo), len(units))
+    options = ReadOptions(verify="local")
+    with tqdm(total=sum(unit.size for unit in units), initial=sum(
+            unit.size for unit in units if unit not in todo), desc="index images",
+            unit="img") as bar:
+        if workers <= 1 or len(todo) <= 1:
+            _use(embedder, out, image_folder, options)
+            for unit in todo:
+                bar.update(_embed_unit(unit)[1])
+        else:
+            threads = max(1, (os.cpu_count() or 1) // workers)
+            context = multiprocessing.get_context("spawn")
+            settings = (model, embedder.boxes, embedder.parser_name, out, image_folder,
+                        options, threads)
+            with context.Pool(workers, _start_worker, settings) as pool:
+                for _, size in pool.imap_unordered(_embed_unit, todo):
+                    bar.update(size)
+    return _write_index(out, units, key, embedder, model, sentences, image_folder, links,
+                        skipped)
+
+
+def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, str], list[str]]:
+    """The images of `folder` to index; where those that are links leading out of it lead
+    (indexed with --follow-links); and one line for each such link skipped without it (the web
+    app serves an indexed file: a link out would serve whatever it leads to)."""
+    kept, links, skipped = [], {}, []
+    for path in list_images(folder):
+        target = Path(os.path.realpath(path))
+        if target.is_relative_to(folder) or follow_links:
+            kept.append(path)
+            if not target.is_relative_to(folder):
+                links[path.name] = str(target)
+            continue
+        skipped.append(f"{path} is a link to {target}, outside {folder}: pass --follow-links "
+                       "to index such links")
+        log.warning("skipped a link out of the folder: %s", skipped[-1])
+    return kept, links, skipped
+
+
+def _parts_folder(out: Path, key: dict[str, Any]) -> Path:
+    """out/parts for this build: kept when an earlier build of the same key left it."""
+    parts = out / "parts"
+    stamp = parts / "build.json"
+    if parts.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()) != key):
+        log.info("%s holds parts of another build (model, boxes, parser or source): "
+                 "starting again", parts)
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    write_atomically(stamp, json.dumps(key))
+    return parts
+
+
+def _unit_done(parts: Path, unit: Unit) -> bool:
+    """Whether an earlier build embedded `unit` (its JSON, written last, describes it)."""
+    done = parts / f"{unit.number:06d}.json"
+    return done.is_file() and json.loads(done.read_text())["unit"] == json.loads(
+        json.dumps(unit.describe()))
+
+
+def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Embedder,
+                 model: Path, sentence_file: Path | None, image_folder: Path,
+                 links: dict[str, str], skipped: list[str]) -> dict[str, Any]:
+    """Merge the parts (in unit order) into the index files; index.json last, parts removed.
+    `links`: the followed links out of the folder and their targets; `skipped`: those not."""
+    image_parts = [_no_images(embedder)]
+    sentence_parts, problems, origins = [], list(skipped), []
+    for unit in units:
+        meta = json.loads((out / "parts" / f"{unit.number:06d}.json").read_text())
+        tensors = load_file(out / "parts" / f"{unit.number:06d}.st")
+        image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
+                                       tensors["detail"]))
+        problems += meta["problems"]
+        if meta["sentences"] is not None:
+            sentence_parts.append(FragmentSet(meta["sentences"], tensors["s_rows"],
+                                              tensors["s_owner"], tensors["s_detail"]))
+            origins += meta["sentence_origins"]
+    images = FragmentSet.concat(image_parts)
+    if not images.items:
+        raise RetrievalError(f"none of the {sum(u.size for u in units)} images could be used "
+                             f"({problems[:3]}...)")
+    if sentence_file:
+        texts, lines = read_sentences(Path(sentence_file))
+        sentences = _embed_sentence_file(texts, embedder)
+        origins = [f"{Path(sentence_file).name}:{line}" for line in lines]
+    else:
+        sentences = FragmentSet.concat(sentence_parts) if sentence_parts else None
+    score = embedder.cfg.objective.score
+    write_collection(out, "images", images, score)
+    if sentences is not None:
+        write_collection(out, "sentences", sentences, score)
+    meta = {"format": INDEX_FORMAT, **key, "model_dir": str(Path(model).resolve()),
+            "image_folder": str(image_folder), "links": links, "score": score,
+            "images": images.items,
+            "sentences": sentences.items if sentences is not None else [],
+            "sentence_origins": origins, "problems": problems}
+    write_atomically(out / "index.json", json.dumps(meta, ensure_ascii=False))
+    shutil.rmtree(out / "parts")
+    return {"index": str(out), "images": len(images.items),
+            "sentences": len(meta["sentences"]), "problems": len(problems)}
+
+
+def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
+    """The sentences of a --sentences file, parsed and embedded 256 at a time."""
+    parts = []
+    for first in tqdm(range(0, len(texts), 256), desc="index sentences", unit="x256"):
+        parts.append(embed_sentences(texts[first:first + 256], embedder))
+    return FragmentSet.concat(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`defrag index ...`: build (or finish) an index; a summary line of JSON."""
+    parser = argparse.ArgumentParser(prog="defrag index", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="model folder")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--images", type=Path, help="folder of JPEG / PNG images")
+    where.add_argument("--shards", help="featurizer output folder, its URL, or a shard list")
+    parser.add_argument("--split", default="val", help="split of --shards (default: val)")
+    parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
+    parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="also index --images links that lead out of the folder (skipped "
+                             "by default: the web app serves what an indexed link leads to)")
+    parser.add_argument("--out", required=True, type=Path, help="the index folder")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="embedding processes")
+    parser.add_argument("--boxes", choices=("selective_search", "detector", "fullframe"),
+                        help="box source for --images (default: the model's training shards')")
+    parser.add_argument("--detector-weights", help="state-dict file for --boxes detector")
+    parser.add_argument("--parser", choices=("stanza", "spacy"), help="dependency parser")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with one_line_errors(parser.prog, args.debug):
+        summary = build(args.model, args.out, images=args.images, shards=args.shards,
+                        split=args.split, manifest=args.manifest, sentences=args.sentences,
+                        follow_links=args.follow_links, workers=args.workers, boxes=args.boxes,
+                        detector_weights=args.detector_weights, parser=args.parser)
+    print(json.dumps(summary))
+
