@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 
 from defrag.cli import describe
 from tests.small_training import small_config
-from tests.test_cli_errors import error_lines, run_cli
+from tests.test_cli_errors import TRAIN, error_lines, run_cli
 from tests.test_train_e2e import finish, rank_process, saved_step, tiny_config, torchrun
 from trainer.training.distributed import DistContext, end_process
 from trainer.training.preemption import DONE, RunDirLost, stop_on_sigterm, stop_requested
@@ -193,7 +193,7 @@ def read_only_folder(tmp_path: Path):
 def test_a_read_only_run_dir_fails_at_once_naming_it(tmp_path, shards, read_only_folder):
     config = tiny_config(tmp_path, shards)
     started = time.monotonic()
-    failed = run_cli("trainer.main", "--config", str(config), f"run.run_dir={read_only_folder}",
+    failed = run_cli(TRAIN, "--config", str(config), f"run.run_dir={read_only_folder}",
                      env={"MLFLOW_TRACKING_URI": ""}, timeout=60)
     assert failed.returncode == 1
     [line] = error_lines(failed)
@@ -219,7 +219,7 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused_and_the_first_finishes(tmp_
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         first.send_signal(signal.SIGSTOP)
-        second = run_cli("trainer.main", "--config", str(config),
+        second = run_cli(TRAIN, "--config", str(config),
                          env={"MLFLOW_TRACKING_URI": ""}, timeout=300)
         first.send_signal(signal.SIGCONT)
         first.wait(timeout=600)
