@@ -22,6 +22,7 @@ import pytest
 import requests
 import torch
 from mlflow import MlflowClient
+from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_TIMEOUT
 from PIL import Image
 
 from defrag.vocab import Vocabulary
@@ -336,6 +337,7 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     uri, run_dir = mlflow_server.uri, tmp_path / "run"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     tracker = Tracker.start(Config(), run_dir, rank=0)
+    assert {name: os.environ[name] for name in HTTP_DEFAULTS} == HTTP_DEFAULTS  # none set before
     tracker.log_metrics({"loss": 1.0}, step=0)
     tracker.flush()
     tracker.log_image(picture(), "before.png")
@@ -373,10 +375,13 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
 def test_server_that_never_answers_costs_timeouts_not_a_hang(
         tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's port taken over by a socket that accepts connections and never answers:
-    one request's timeouts, then short probes; everything waits in the run folder."""
+    one request's timeouts, then short probes; everything waits in the run folder. The user's
+    2 s request timeout (their HTTP settings win over HTTP_DEFAULTS' 20 s) keeps it short."""
     uri, run_dir = mlflow_server.uri, tmp_path / "run"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv(MLFLOW_HTTP_REQUEST_TIMEOUT.name, "2")
     tracker = Tracker.start(Config(), run_dir, rank=0)
+    assert os.environ[MLFLOW_HTTP_REQUEST_TIMEOUT.name] == "2"
     tracker.flush_seconds = 0.0  # every log_metrics call would send
     tracker.log_metrics({"loss": 1.0}, step=0)
     folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
@@ -393,9 +398,9 @@ def test_server_that_never_answers_costs_timeouts_not_a_hang(
         with pytest.raises(RegistrationFailed, match="timed out"):
             register_from_run(tracker, folder)
         tracker.finish()
-        # one log_batch with HTTP_DEFAULTS' retries (~63 s), then two 5 s probes (PROBE);
-        # without the pause and the probes: 5 calls of ~63 s
-        assert time.monotonic() - began < 120
+        # one log_batch: 3 tries of 2 s and ~3 s of backoff (HTTP_DEFAULTS' retries), then two
+        # 5 s probes (PROBE), ~19 s; without the pause and the probes: one call a step, ~9 s each
+        assert time.monotonic() - began < 40
 
     mlflow_server.start()
     assert sync(run_dir) == [f"run {tracker.run_id} in {uri}: sent metrics 49, pictures 1, "
