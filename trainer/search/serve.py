@@ -85,6 +85,17 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
         description="Search a photo collection with sentences, and sentences with photos, using "
                     "a Deep Fragment Embeddings model (Karpathy et al., NIPS 2014). Errors "
                     "answer {\"error\": message}.")
+    _answer_errors_in_one_line(app)
+    _add_searches(app, index, max_upload_bytes)
+    _add_upload_search(app, index, max_upload_bytes, decoders)
+    _add_explain(app, index)
+    _add_files(app, index)
+    return app
+
+
+def _answer_errors_in_one_line(app: FastAPI) -> None:
+    """Every failure answers {"error": one line}: a bad input 400, a too large image 413, the
+    HTTP errors and bad parameters their own status, a bug 500."""
 
     @app.exception_handler(RetrievalError)
     async def bad_input(request: Request, err: RetrievalError) -> JSONResponse:
@@ -110,38 +121,10 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
         """A bug: one line for the page; uvicorn logs the traceback."""
         return JSONResponse({"error": f"internal error: {describe(err)}"}, status_code=500)
 
-    @functools.lru_cache(maxsize=32)
-    def explained(text: str, name: str) -> tuple[bytes, dict[str, Any]]:
-        """Figure 4 as PNG bytes and its details; kept, since the page asks for both."""
-        picture, details = index.explain(text, name)
-        png = io.BytesIO()
-        picture.save(png, format="PNG")
-        return png.getvalue(), details
 
-    async def upload_body(request: Request) -> bytes:
-        """The raw image bytes of an upload, read no further than `max_upload_bytes`."""
-        kind = request.headers.get("content-type", "")
-        if not kind.startswith("image/"):
-            got = f"got {kind!r}" if kind else "got none"
-            raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
-                                     f"image/jpeg or image/png ({got})")
-        too_big = HTTPException(413, f"the upload is over the limit of "
-                                     f"{max_upload_bytes / MIB:g} MiB: send a smaller image")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_upload_bytes:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_upload_bytes:
-                raise too_big
-        if not body:
-            raise HTTPException(400, "the upload is empty: send an image file's bytes")
-        return bytes(body)
-
-    @app.get("/", include_in_schema=False)
-    def page() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
+def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> None:
+    """/api/info, and the searches of what the index holds: sentence -> images, indexed image
+    -> sentences."""
 
     @app.get("/api/info", summary="The index and its model",
              description="The model folder and its checksums key, how many images and sentences "
@@ -174,6 +157,33 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
         hits = index.sentences_for_image(image, k)
         return {"image": image, "url": image_url(image), "results": sentence_results(hits)}
 
+
+def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
+                       decoders: ThreadPoolExecutor) -> None:
+    """POST /api/sentences: an uploaded image -> sentences, its bytes read no further than
+    `max_upload_bytes`, decoded and embedded by one of the `decoders` threads."""
+
+    async def upload_body(request: Request) -> bytes:
+        """The raw image bytes of an upload, read no further than `max_upload_bytes`."""
+        kind = request.headers.get("content-type", "")
+        if not kind.startswith("image/"):
+            got = f"got {kind!r}" if kind else "got none"
+            raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
+                                     f"image/jpeg or image/png ({got})")
+        too_big = HTTPException(413, f"the upload is over the limit of "
+                                     f"{max_upload_bytes / MIB:g} MiB: send a smaller image")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_upload_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_upload_bytes:
+                raise too_big
+        if not body:
+            raise HTTPException(400, "the upload is empty: send an image file's bytes")
+        return bytes(body)
+
     @app.post("/api/sentences", summary="Uploaded image -> best sentences",
               responses=_errors(400, 413, 415, 422),
               description="The k sentences of the index that best describe a new image: POST "
@@ -194,6 +204,18 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
                 raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
         return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
 
+
+def _add_explain(app: FastAPI, index: SearchIndex) -> None:
+    """/api/explain: Figure 4 for a sentence and an indexed image, as PNG or its details."""
+
+    @functools.lru_cache(maxsize=32)
+    def explained(text: str, name: str) -> tuple[bytes, dict[str, Any]]:
+        """Figure 4 as PNG bytes and its details; kept, since the page asks for both."""
+        picture, details = index.explain(text, name)
+        png = io.BytesIO()
+        picture.save(png, format="PNG")
+        return png.getvalue(), details
+
     @app.get("/api/explain", summary="Why an image matches a sentence (Figure 4)",
              responses={**_errors(400, 422), 200: {
                  "content": {"image/png": {}, "application/json": {}},
@@ -211,6 +233,14 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
             return JSONResponse(details)
         return Response(png, media_type="image/png")
 
+
+def _add_files(app: FastAPI, index: SearchIndex) -> None:
+    """The page (/, /static/...) and the indexed image files (/images/NAME)."""
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
     @app.get("/images/{name}", summary="An indexed image file", responses=_errors(404),
              description="The file of an indexed image. Only the index's own file names are "
                          "served, and only while the file (resolved at each request) is still "
@@ -223,7 +253,6 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
         return FileResponse(path)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    return app
 
 
 def image_url(name: str) -> str:
