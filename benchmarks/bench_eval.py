@@ -60,8 +60,8 @@ import torch
 
 from defrag.vocab import Vocabulary
 from trainer.config import Config
-from trainer.evaluate import score_matrix
 from trainer.model import DeFragModel
+from trainer.objectives import score_matrix
 from trainer.store.registry import save_model_folder
 
 DEFRAG = str(Path(sys.executable).with_name("defrag"))  # the `defrag` command

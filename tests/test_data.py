@@ -26,7 +26,8 @@ from trainer.data.eval_set import load_eval_set
 from trainer.data.reader import image_key
 from trainer.data.shardset import locate_split
 from trainer.data.train_loader import TrainLoader, make_train_loader
-from trainer.evaluate import retrieval_metrics, score_matrix
+from trainer.evaluate import retrieval_metrics
+from trainer.objectives import score_matrix
 from trainer.training.distributed import end_process
 
 SIZE = 64  # model.image_size in these tests; the synthetic images are 128 x 128

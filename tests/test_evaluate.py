@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from trainer.evaluate import hodosh_metrics, retrieval_metrics, score_matrix
+from trainer.evaluate import hodosh_metrics, retrieval_metrics
+from trainer.objectives import score_matrix
 
 KEYS = {f"{d}_{m}" for d in ("i2t", "t2i") for m in ("r1", "r5", "r10", "medr", "meanr")} | {"rsum"}
 

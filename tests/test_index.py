@@ -22,7 +22,8 @@ import trainer.search.index_builder as index_builder
 import trainer.search.retrieve as retrieve
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
 from trainer.data.eval_set import load_eval_set
-from trainer.evaluate import embed_eval_set, score_matrix
+from trainer.evaluate import embed_eval_set
+from trainer.objectives import score_matrix
 from trainer.search.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
 from trainer.search.fragment_set import rank
 from trainer.store.registry import load_model_folder, save_ensemble

@@ -33,9 +33,9 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
 from trainer.config import Config, DataConfig, ModelConfig, ObjectiveConfig
 from trainer.data.eval_set import load_eval_set
-from trainer.evaluate import embed_eval_set, retrieval_metrics, score_matrix
+from trainer.evaluate import embed_eval_set, retrieval_metrics
 from trainer.model import DeFragModel, ImageEncoder
-from trainer.objectives import owner_means
+from trainer.objectives import owner_means, score_matrix
 from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
 from trainer.search.embedding_cache import CACHE_DIR
 from trainer.search.explain import explain_words

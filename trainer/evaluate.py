@@ -1,8 +1,8 @@
 """Bidirectional retrieval evaluation: the score matrix of a test set and its metrics.
 
-`score_matrix` turns fragment embeddings into image-sentence scores S [N_img, N_sent]: eq. 6
-block by block, so that a 1,000-image test set never holds its [20k, 50k] fragment scores at
-once, or the training's other `objective.score` (cosine, inner).
+`score_eval_set` turns a test set into image-sentence scores S [N_img, N_sent] with
+`trainer.objectives.score_matrix` (eq. 6 in bounded memory, or the training's other
+`objective.score`: cosine, inner).
 `retrieval_metrics` ranks with S in both directions (docs/design.md section 5, the vsepp / SCAN
 convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh et al.
 """
@@ -34,7 +34,7 @@ from trainer.data.feature_cache import FeatureCache, feature_stamp
 from trainer.data.reader import DataProblem
 from trainer.data.shardset import is_folder, training_manifest
 from trainer.model import DeFragModel
-from trainer.objectives import image_sentence_scores
+from trainer.objectives import score_matrix
 from trainer.store.registry import FEATURIZER, ensemble_members, load_model_folder
 
 RECALL_AT = (1, 5, 10)
@@ -85,62 +85,6 @@ def hodosh_metrics(scores: torch.Tensor, sentence_image: torch.Tensor) -> dict[s
     first = first.scatter_reduce(0, sentence_image, columns, "amin")
     first = first[first < num_sentences]  # images with no sentence have no first one
     return retrieval_metrics(scores[:, first.to(scores.device)], sentence_image[first])
-
-
-@torch.no_grad()
-def score_matrix(v: torch.Tensor, v_owner: torch.Tensor, s: torch.Tensor, s_owner: torch.Tensor,
-                 num_images: int, num_sentences: int, smooth: float = 5.0,
-                 chunk_images: int = 64, chunk_sentences: int = 512,
-                 progress: bool = False, score: str = "eq6") -> torch.Tensor:
-    """Eq. 6 for a whole test set: S [num_images, num_sentences], computed in bounded memory.
-
-    S_kl = 1/(|g_k| (|g_l| + smooth)) * sum_{i in g_k, j in g_l} max(0, v_i . s_j), where
-    v_owner / s_owner give each fragment's image / sentence (any order). Fragment scores exist
-    one block of chunk_images images x chunk_sentences sentences at a time. An image or a
-    sentence with no fragments scores 0 with everything. Another `score` (cosine, inner) is
-    `trainer.objectives.image_sentence_scores` of the mean rows, at once.
-    """
-    _check_fragments("v", v, v_owner, num_images)
-    _check_fragments("s", s, s_owner, num_sentences)
-    if v.shape[1] != s.shape[1]:
-        raise ValueError(f"v and s must have the same embedding size: got {v.shape[1]} and "
-                         f"{s.shape[1]}")
-    if chunk_images < 1 or chunk_sentences < 1:
-        raise ValueError(f"chunk sizes must be >= 1: got chunk_images={chunk_images}, "
-                         f"chunk_sentences={chunk_sentences}")
-    if smooth < 0:
-        raise ValueError(f"smooth must be >= 0: got {smooth}")
-    if score != "eq6":
-        return image_sentence_scores(v, v_owner.to(v.device), s, s_owner.to(s.device),
-                                     num_images, num_sentences, smooth, score)
-
-    # Sort fragments by owner: an owner's fragments are then one contiguous run of rows, a block
-    # is a slice (no copy), and the per-owner sums are segment sums over those runs.
-    v, v_count = _group_by_owner(v, v_owner, num_images)
-    s, s_count = _group_by_owner(s, s_owner, num_sentences)
-    v_start = [0, *v_count.cumsum(0).tolist()]  # fragment rows of image k: v_start[k]:v_start[k+1]
-    s_start = [0, *s_count.cumsum(0).tolist()]
-
-    scores = v.new_zeros(num_images, num_sentences)
-    image_chunks = range(0, num_images, chunk_images)
-    sentence_chunks = range(0, num_sentences, chunk_sentences)
-    with tqdm(total=len(image_chunks) * len(sentence_chunks), desc="score matrix", unit="block",
-              disable=not progress) as bar:
-        for k0 in image_chunks:
-            k1 = min(k0 + chunk_images, num_images)
-            v_block = v[v_start[k0]:v_start[k1]]
-            for l0 in sentence_chunks:
-                l1 = min(l0 + chunk_sentences, num_sentences)
-                fragment = (v_block @ s[s_start[l0]:s_start[l1]].T).relu_()
-                per_image = torch.segment_reduce(fragment, "sum", lengths=v_count[k0:k1], axis=0)
-                per_pair = torch.segment_reduce(per_image.T, "sum", lengths=s_count[l0:l1], axis=0)
-                scores[k0:k1, l0:l1] = per_pair.T
-                bar.update()
-
-    # Normalise; an owner with no fragments has a zero sum and gets a zero factor (no 0/0).
-    image_norm = torch.where(v_count > 0, 1 / v_count.to(scores.dtype), 0)
-    sentence_norm = torch.where(s_count > 0, 1 / (s_count.to(scores.dtype) + smooth), 0)
-    return scores.mul_(image_norm[:, None]).mul_(sentence_norm)
 
 
 @dataclass
@@ -276,16 +220,6 @@ def split_metrics(scores: torch.Tensor, sentence_image: torch.Tensor,
     return metrics
 
 
-def _group_by_owner(x: torch.Tensor, owner: torch.Tensor,
-                    num_owners: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x sorted by owner (no copy when already sorted) and the row count of each owner."""
-    owner = owner.to(x.device)
-    count = torch.bincount(owner, minlength=num_owners)
-    if bool((owner[1:] < owner[:-1]).any()):
-        x = x[torch.argsort(owner, stable=True)]
-    return x, count
-
-
 def _rank_summary(direction: str, rank: torch.Tensor) -> dict[str, float]:
     """R@K (percent), floor of the median rank and mean rank of 1-based ranks."""
     rank = rank.cpu().numpy()
@@ -314,18 +248,6 @@ def _check_retrieval_inputs(scores: torch.Tensor, sentence_image: torch.Tensor) 
                          f"from {low} to {high}")
     if bool(scores.isnan().any()):
         raise ValueError("scores contain NaN: ranks would be meaningless")
-
-
-def _check_fragments(name: str, x: torch.Tensor, owner: torch.Tensor, num_owners: int) -> None:
-    if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"{name} must be a 2-D float tensor [fragments, d]: got {x.dtype} of "
-                         f"shape {tuple(x.shape)}")
-    if owner.dim() != 1 or owner.dtype != torch.long or len(owner) != len(x):
-        raise ValueError(f"{name}_owner must be a 1-D LongTensor with one entry per row of {name} "
-                         f"({len(x)}): got {owner.dtype} of shape {tuple(owner.shape)}")
-    if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= num_owners):
-        raise ValueError(f"{name}_owner must hold indices in [0, {num_owners}): got values from "
-                         f"{int(owner.min())} to {int(owner.max())}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,9 @@ Names, one per idea, the same from the batch (trainer/batch.py) through the mode
   image_id         an image's name in the dataset (str; `Batch.image_ids` per image row)
   F = v s^T        fragment scores; S [images, sentences]: image-sentence scores, eq. 6's
                    (`pair_scores`) or another `score` (`image_sentence_scores`)
+  score_matrix     S of a whole test set or index (trainer.evaluate, trainer/search): eq. 6
+                   by `pair_scores` one block of images x sentences at a time, so that a
+                   1,000-image test set never holds its [20k, 50k] fragment scores at once
   y_ij             the MIL labels of eq. 5 (`mil_labels`)
 
 Distributed training (docs/design.md section 7): with `world_size` W > 1 every rank calls the
@@ -43,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
+from tqdm import tqdm
 
 TERMS = ("loss", "fragment", "global")  # the values of DeFragLoss's output
 SCORES = ("eq6", "cosine", "inner")  # objective.score
@@ -55,7 +59,75 @@ def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
     S_kl = sum_{i in g_k, j in g_l} max(0, v_i . s_j) / (|g_k| (|g_l| + smooth)); an image or
     a sentence without fragments scores 0 with everything.
     """
-    return _aggregate(torch.relu(v @ s.T), v_owner, s_owner, num_images, num_sentences, smooth)
+    return _aggregate((v @ s.T).relu_(), v_owner, s_owner, num_images, num_sentences, smooth)
+
+
+@torch.no_grad()
+def score_matrix(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
+                 num_sentences: int, smooth: float = 5.0, chunk_images: int = 64,
+                 chunk_sentences: int = 512, progress: bool = False,
+                 score: str = "eq6") -> Tensor:
+    """`pair_scores` (eq. 6) of a whole test set, one block of chunk_images images x
+    chunk_sentences sentences at a time: fragment scores exist one block at a time.
+
+    v_owner / s_owner give each fragment's image / sentence, in any order. Another `score`
+    (cosine, inner) is `image_sentence_scores` of the mean rows, at once.
+    """
+    _check_fragments("v", v, v_owner, num_images)
+    _check_fragments("s", s, s_owner, num_sentences)
+    if v.shape[1] != s.shape[1]:
+        raise ValueError(f"v and s must have the same embedding size: got {v.shape[1]} and "
+                         f"{s.shape[1]}")
+    if chunk_images < 1 or chunk_sentences < 1:
+        raise ValueError(f"chunk sizes must be >= 1: got chunk_images={chunk_images}, "
+                         f"chunk_sentences={chunk_sentences}")
+    if smooth < 0:
+        raise ValueError(f"smooth must be >= 0: got {smooth}")
+    if score != "eq6":
+        return image_sentence_scores(v, v_owner.to(v.device), s, s_owner.to(s.device),
+                                     num_images, num_sentences, smooth, score)
+
+    # Sorted by owner, the fragments of a block of owners are one slice of rows (no copy).
+    v, v_owner, v_start = _group_by_owner(v, v_owner, num_images)
+    s, s_owner, s_start = _group_by_owner(s, s_owner, num_sentences)
+    scores = v.new_zeros(num_images, num_sentences)
+    image_chunks = range(0, num_images, chunk_images)
+    sentence_chunks = range(0, num_sentences, chunk_sentences)
+    with tqdm(total=len(image_chunks) * len(sentence_chunks), desc="score matrix", unit="block",
+              disable=not progress) as bar:
+        for k0 in image_chunks:
+            k1 = min(k0 + chunk_images, num_images)
+            v_rows = slice(v_start[k0], v_start[k1])
+            for l0 in sentence_chunks:
+                l1 = min(l0 + chunk_sentences, num_sentences)
+                s_rows = slice(s_start[l0], s_start[l1])
+                scores[k0:k1, l0:l1] = pair_scores(v[v_rows], v_owner[v_rows] - k0, s[s_rows],
+                                                   s_owner[s_rows] - l0, k1 - k0, l1 - l0, smooth)
+                bar.update()
+    return scores
+
+
+def _group_by_owner(x: Tensor, owner: Tensor, num_owners: int) -> tuple[Tensor, Tensor, list[int]]:
+    """Rows of x and their owners sorted by owner (no copy when already sorted), and the first
+    row of each owner (num_owners + 1 offsets: owner k's rows are start[k]:start[k + 1])."""
+    owner = owner.to(x.device)
+    if bool((owner[1:] < owner[:-1]).any()):
+        order = torch.argsort(owner, stable=True)
+        x, owner = x[order], owner[order]
+    count = torch.bincount(owner, minlength=num_owners)
+    return x, owner, [0, *count.cumsum(0).tolist()]
+
+
+def _check_fragments(name: str, x: Tensor, owner: Tensor, num_owners: int) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a 2-D float tensor [fragments, d]: got {x.dtype} of "
+                         f"shape {tuple(x.shape)}")
+    if owner.dim() != 1 or owner.dtype != torch.long or len(owner) != len(x):
+        raise ValueError(f"{name}_owner must be a 1-D LongTensor with one entry per row of {name} "
+                         f"({len(x)}): got {owner.dtype} of shape {tuple(owner.shape)}")
+    if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= num_owners):
+        raise ValueError(f"{name}_owner must hold indices in [0, {num_owners}): got values from "
+                         f"{int(owner.min())} to {int(owner.max())}")
 
 
 def owner_means(x: Tensor, owner: Tensor, num_owners: int) -> Tensor:
@@ -91,8 +163,8 @@ def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images
     sentences, sentence_of = torch.unique(s_owner, return_inverse=True)
     # Owner sums as products with one-hot matrices (BLAS beats scatter here); reduce the
     # side with more owners second so the intermediate stays small.
-    rows = nn.functional.one_hot(image_of, len(images)).T.to(relu_scores.dtype)
-    cols = nn.functional.one_hot(sentence_of, len(sentences)).to(relu_scores.dtype)
+    rows = _one_hot(image_of, len(images), relu_scores.dtype).T
+    cols = _one_hot(sentence_of, len(sentences), relu_scores.dtype)
     if len(images) <= len(sentences):
         block = (rows @ relu_scores) @ cols
     else:
@@ -103,6 +175,12 @@ def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images
     # A sentence without fragments has a zero sum; only smooth == 0 makes its denominator 0.
     norm = image_sizes[:, None] * sentence_sizes.clamp(min=1e-6)[None, :]
     return sums / norm.to(sums.dtype)
+
+
+def _one_hot(index: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
+    """[len(index), num_classes] of `dtype`, 1 at (i, index[i]) and 0 elsewhere."""
+    zeros = torch.zeros(len(index), num_classes, dtype=dtype, device=index.device)
+    return zeros.scatter_(1, index[:, None], 1)
 
 
 def same_group_entries(row_group: Tensor, col_group: Tensor) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.batch import owners
-from trainer.evaluate import score_matrix
+from trainer.objectives import score_matrix
 
 
 @dataclass

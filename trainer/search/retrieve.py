@@ -12,7 +12,7 @@ source and parser are those of the model's training shards, which the model fold
 (`featurizer.json`; folders saved before it existed: the shards' manifest, when at hand);
 otherwise selective search and the featurizer's default parser (`--boxes` and `--parser`
 choose). Scores are the model's `objective.score` (eq. 6 by default) as evaluation computes them
-(`trainer.evaluate.score_matrix`, the model's smoothing).
+(`trainer.objectives.score_matrix`, the model's smoothing).
 
 --explain draws the first query against its top result: for the fragments sentence encoder each
 sentence fragment linked to its best box (Figure 4, trainer.search.explain.explain); for a
