@@ -268,9 +268,21 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
     print(f"{shards}: {split.images} images ({mb:.1f} MB, {mb / split.images * 1e3:.0f} KB "
           f"each), {split.captions} pairs, {len(split.urls)} shards; image size "
           f"{args.image_size}; {os.cpu_count()} CPUs; {args.workers} loader process(es)")
+    summary = summarize(runs, [*sources, "alone", "open_clip"], args.workers)
+    plain_ms = statistics.median(run[name]["plain"]["cpu_ms"] for run in runs
+                                 for name in run)
+    print(f"plain decode + resize: {plain_ms:.3f} ms CPU per image; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    return {"shards": shards, "images": split.images, "image_size": args.image_size,
+            "workers": args.workers, "plain_cpu_ms": plain_ms, "runs": runs, **summary}
+
+
+def summarize(runs: list[dict], names: list[str], workers: int) -> dict:
+    """Each way of loading's medians over the runs (ratios per loader process, images/s, the
+    training process's CPU per image) and the loader processes' decode share, printed."""
     summary = {}
-    for name in [*sources, "alone", "open_clip"]:
-        wall = [run[name]["images_per_s"] / (args.workers * run[name]["plain"]["images_per_s"])
+    for name in names:
+        wall = [run[name]["images_per_s"] / (workers * run[name]["plain"]["images_per_s"])
                 for run in runs]
         cpu = [run[name]["plain"]["cpu_ms"] / run[name]["workers_cpu_ms"] for run in runs]
         main_ms = statistics.median(run[name]["main_cpu_ms"] for run in runs)
@@ -278,7 +290,7 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
         summary[name] = {"ratio": statistics.median(wall), "cpu_ratio": statistics.median(cpu),
                          "images_per_s": rate, "training_process_cpu_ms": main_ms}
         print(f"{name:>5}: loader {rate:.0f} images/s; ratio per loader process (median of "
-              f"{args.repeats}) {summary[name]['ratio']:.2f} wall, "
+              f"{len(runs)}) {summary[name]['ratio']:.2f} wall, "
               f"{summary[name]['cpu_ratio']:.2f} cpu (target >= {TARGET}); training process "
               f"{main_ms:.3f} ms CPU per image; repeats {', '.join(f'{w:.2f}' for w in wall)}")
     shares = [run["alone"]["decode_share"] for run in runs]
@@ -286,12 +298,7 @@ def throughput(args: argparse.Namespace, shards: str) -> dict:
     print(f"alone: decode + resize take {summary['alone']['decode_share']:.3f} of the loader "
           f"processes' CPU time (timed inside them; repeats "
           f"{', '.join(f'{share:.3f}' for share in shares)})")
-    plain_ms = statistics.median(run[name]["plain"]["cpu_ms"] for run in runs
-                                 for name in run)
-    print(f"plain decode + resize: {plain_ms:.3f} ms CPU per image; load average "
-          f"{os.getloadavg()[0]:.1f}")
-    return {"shards": shards, "images": split.images, "image_size": args.image_size,
-            "workers": args.workers, "plain_cpu_ms": plain_ms, "runs": runs, **summary}
+    return summary
 
 
 def tiny_split(out: Path, samples: int, shard_size: int = 1000) -> Path:

@@ -290,7 +290,7 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=1000, help="test images (paper: 1,000)")
     parser.add_argument("--sentences", type=int, default=5000, help="test sentences (5 each)")
@@ -320,16 +320,15 @@ def main() -> None:
     parser.add_argument("--eval-cache", default="/tmp/defrag-bench-eval",
                         help="folder of the synthetic splits and the model (made once)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    evaluation, eval_failure = evaluate_memory(args) if args.eval_images else ({}, None)
 
-    v, v_owner, v_count, s, s_owner, s_count = make_test_set(args, args.images, args.sentences)
-    given = given_fragments(args, v, v_owner, s, s_owner)
-    input_bytes = sum(t.numel() * t.element_size() for t in given)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.images} images x "
-          f"{args.sentences} sentences, {len(v)} x {len(s)} fragments, d = {args.dim}, chunks "
-          f"{args.chunk_images} x {args.chunk_sentences}, inputs {input_bytes / GIB:.2f} GiB")
+def time_and_memory(args: argparse.Namespace, given: tuple[torch.Tensor, ...], v: torch.Tensor,
+                    v_count: torch.Tensor, s: torch.Tensor, s_count: torch.Tensor
+                    ) -> tuple[list[dict], bool, tuple[float, ...]]:
+    """score_matrix's working memory at each --memory-images size and the full set (whether it
+    stays within --memory-limit of the smallest's), and the best of --repeats runs' wall and CPU
+    seconds of the floor and of score_matrix."""
 
     def scores() -> None:
         score_matrix(*given, args.images, args.sentences, chunk_images=args.chunk_images,
@@ -345,14 +344,28 @@ def main() -> None:
         memory = [smaller_set_memory(args, images) for images in sizes]
         memory.append(score_memory(args, given, args.images, args.sentences))  # and warm-up
         bounded = within_floor(memory, args.memory_limit, score_memory_line)
-        rss_before, peak = memory[-1]["rss_before_bytes"], memory[-1]["peak_rss_bytes"]
         print(f"  warm-up: score_matrix {memory[-1]['seconds']:.2f} s")
         runs = []
         for _ in range(args.repeats):
             runs.append((*timed(floor), *timed(scores)))
             print("  run: floor {:.2f} s ({:.2f} s CPU), score_matrix {:.2f} s ({:.2f} s CPU)"
                   .format(*runs[-1]))
-    floor_wall, floor_cpu, wall, cpu = (min(column) for column in zip(*runs, strict=True))
+    return memory, bounded, tuple(min(column) for column in zip(*runs, strict=True))
+
+
+def main() -> None:
+    args = parse_args()
+    evaluation, eval_failure = evaluate_memory(args) if args.eval_images else ({}, None)
+
+    v, v_owner, v_count, s, s_owner, s_count = make_test_set(args, args.images, args.sentences)
+    given = given_fragments(args, v, v_owner, s, s_owner)
+    input_bytes = sum(t.numel() * t.element_size() for t in given)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.images} images x "
+          f"{args.sentences} sentences, {len(v)} x {len(s)} fragments, d = {args.dim}, chunks "
+          f"{args.chunk_images} x {args.chunk_sentences}, inputs {input_bytes / GIB:.2f} GiB")
+    memory, bounded, (floor_wall, floor_cpu, wall, cpu) = time_and_memory(
+        args, given, v, v_count, s, s_count)
+    rss_before, peak = memory[-1]["rss_before_bytes"], memory[-1]["peak_rss_bytes"]
 
     result = {
         "images": args.images, "sentences": args.sentences, "image_fragments": len(v),
