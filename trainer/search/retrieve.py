@@ -36,6 +36,7 @@ import argparse
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -62,138 +63,216 @@ from trainer.store.registry import ensemble_members
 log = logging.getLogger(__name__)
 
 
-def search(args: argparse.Namespace) -> dict[str, Any]:
-    """Build or refresh the indexes, answer the queries, explain the first one: the report."""
-    arithmetic = bool(args.minus or args.plus)
-    if args.query and args.images is None:
-        raise RetrievalError("--query ranks images: also pass --images FOLDER")
-    if arithmetic and not (args.query_image and args.images):
-        raise RetrievalError("--minus/--plus change a --query-image, which then ranks the "
-                             "--images: pass --query-image PATH and --images FOLDER")
-    if args.query_image and not arithmetic and args.sentences is None:
-        raise RetrievalError("--query-image ranks sentences: also pass --sentences FILE")
-    if args.explain and not (args.query or args.query_image and not arithmetic):
-        raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
-                             "a --query-image without --minus/--plus")
-    folders, weights = zip(*ensemble_members(args.model), strict=True)
-    if len(folders) > 1 and (args.explain or arithmetic):
-        raise RetrievalError(f"{args.model} is an ensemble of {len(folders)} models; --explain "
-                             "and --minus/--plus read one model: pass one of its members, e.g. "
-                             f"--model {folders[0]}")
-    members = [load_embedder(folder, args.boxes, args.detector_weights, args.parser)
+@dataclass(frozen=True)
+class RetrievalRequest:
+    """What `defrag retrieve` is asked (its flags, as main checked them): the model (or
+    ensemble) folder; what to search (a folder of `images`, a file of `sentences`, one a line,
+    or an `index`); the
+    sentences that rank the images (`query`), the images that rank the sentences
+    (`query_image`), or with words taken from them and added to them the images (`minus`,
+    `plus`: Kiros et al.'s eq. 15); the embedding cache (`index_dir`); where to draw Figure 4
+    (`explain`); the box source and parser (default: the model's training shards')."""
+
+    model: Path
+    images: Path | None = None
+    sentences: Path | None = None
+    index: Path | None = None
+    query: Sequence[str] = ()
+    query_image: Sequence[Path] = ()
+    minus: Sequence[str] = ()
+    plus: Sequence[str] = ()
+    top_k: int = 5
+    index_dir: Path | None = None
+    explain: Path | None = None
+    boxes: str | None = None
+    detector_weights: str | None = None
+    parser: str | None = None
+    device: str = "cpu"
+
+    @property
+    def arithmetic(self) -> bool:
+        return bool(self.minus or self.plus)
+
+
+def search(request: RetrievalRequest) -> dict[str, Any]:
+    """Build or refresh the embedding caches, answer the queries, explain the first one: the
+    report."""
+    check_request(request)
+    folders, weights = zip(*ensemble_members(request.model), strict=True)
+    if len(folders) > 1 and (request.explain or request.arithmetic):
+        raise RetrievalError(f"{request.model} is an ensemble of {len(folders)} models; "
+                             "--explain and --minus/--plus read one model: pass one of its "
+                             f"members, e.g. --model {folders[0]}")
+    members = [load_embedder(folder, request.boxes, request.detector_weights, request.parser)
                for folder in folders]
     embedder = members[0]  # the one model, or the ensemble's first member (reports, checks)
-    if arithmetic:
+    if request.arithmetic:
         check_encoder(embedder)
     for member in members:
-        member.model.to(args.device)
-    if arithmetic:  # before the indexes: a word outside the vocabulary fails at once
-        minus = term_vectors(args.minus, "--minus", embedder, args.device)
-        plus = term_vectors(args.plus, "--plus", embedder, args.device)
-    index_dir = args.index_dir or (args.images or args.sentences.parent) / CACHE_DIR
+        member.model.to(request.device)
+    if request.arithmetic:  # before the indexes: a word outside the vocabulary fails at once
+        minus = term_vectors(request.minus, "--minus", embedder, request.device)
+        plus = term_vectors(request.plus, "--plus", embedder, request.device)
+    index_dir = request.index_dir or (request.images or request.sentences.parent) / CACHE_DIR
     # an ensemble keeps one index per member, in a subfolder named after it
     index_dirs = [index_dir] if len(folders) == 1 else [index_dir / f.name for f in folders]
-    member_images = [image_embeddings(args.images, where, member, args.device)
-                     for where, member in zip(index_dirs, members, strict=True)
-                     if args.images]
-    member_sentences, lines = [], []  # lines: each sentence's line number in the file
-    for where, member in zip(index_dirs, members, strict=True):
-        if args.sentences:
-            fragments, lines = sentence_embeddings(args.sentences, where, member, args.device)
-            member_sentences.append(fragments)
+    member_images, member_sentences, lines = embed_collection(request, index_dirs, members)
     images = member_images[0] if member_images else None
     sentences = member_sentences[0] if member_sentences else None
-    report: dict[str, Any] = {"model": str(args.model), "index_dir": str(index_dir),
+    report: dict[str, Any] = {"model": str(request.model), "index_dir": str(index_dir),
                               "images": len(images.items) if images else 0,
                               "sentences": len(sentences.items) if sentences else 0,
                               "queries": []}
     if len(members) > 1:
         report["ensemble"] = [str(folder) for folder in folders]
-    pairs = []  # (image file, image, sentence) of each query's top result, for --explain
-    if args.query:
-        queries = [embed_sentences(args.query, member, args.device) for member in members]
-        scores = ensemble_scores(members, weights, member_images, queries)
-        # what the model reads of each: its fragments, or (one row each) its known words
-        unit, sizes = (("words", queries[0].detail[:, 0])
-                       if embedder.model.sentence.whole_sentence
-                       else ("fragments", queries[0].counts))
-        for q, text in enumerate(queries[0].items):
-            best = top_k(scores[:, q], args.top_k)
-            report["queries"].append({
-                "kind": "sentence", "query": text, unit: int(sizes[q]),
-                "results": [{"rank": r, "score": score, "image": images.items[i]}
-                            for r, (i, score) in enumerate(best, 1)]})
-            pairs.append((args.images / images.items[best[0][0]], images.select([best[0][0]]),
-                          queries[0].select([q])))
-    for path in args.query_image:
-        query, _ = embed_images([path], embedder, skip_bad=False, device=args.device)
-        if arithmetic:
-            report["queries"].append(arithmetic_query(path, query, images, minus, plus, args))
-            continue
-        queries = [query] + [embed_images([path], member, skip_bad=False, device=args.device)[0]
-                             for member in members[1:]]
-        best = top_k(ensemble_scores(members, weights, queries, member_sentences)[0], args.top_k)
-        report["queries"].append({
-            "kind": "image", "query": str(path), "boxes": int(query.counts[0]),
-            "results": [{"rank": r, "score": score, "sentence": sentences.items[i],
-                         "line": lines[i]} for r, (i, score) in enumerate(best, 1)]})
-        pairs.append((path, query, sentences.select([best[0][0]])))
-    if args.explain:
-        image_path, image, sentence = pairs[0]
-        report["explain"] = {"image": str(image_path), "sentence": sentence.items[0]}
-        if embedder.model.sentence.whole_sentence:
-            picture, details = explain_words(image_path, image, sentence.items[0], embedder,
-                                             args.device)
-        else:
-            picture, details = explain(image_path, image, sentence, embedder)
-        if picture is not None:
-            args.explain.parent.mkdir(parents=True, exist_ok=True)
-            picture.save(args.explain)
-        else:
-            log.warning("%s not written", args.explain)
-        report["explain"].update({
-            "picture": str(args.explain) if picture is not None else None,
-            "words" if embedder.model.sentence.whole_sentence else "fragments": details})
+    answered, pairs = sentence_queries(request, members, weights, member_images)
+    if request.arithmetic:
+        answered += [arithmetic_query(path, embedder, images, minus, plus, request)
+                     for path in request.query_image]
+    else:
+        by_image, image_pairs = image_queries(request, members, weights, member_sentences,
+                                              lines)
+        answered, pairs = answered + by_image, pairs + image_pairs
+    report["queries"] = answered
+    if request.explain:
+        report["explain"] = explain_pair(request, *pairs[0], embedder)
     return report
 
 
-def index_search(args: argparse.Namespace) -> dict[str, Any]:
-    """The report of `search` answered from a search index (trainer.search.index): two-stage search
-    of a collection of any size, embedded once."""
-    if args.minus or args.plus or args.images or args.sentences:
+def check_request(request: RetrievalRequest) -> None:
+    """RetrievalError unless the queries have something to rank: --query the --images,
+    --query-image the --sentences (or, with --minus/--plus, the --images)."""
+    if request.query and request.images is None:
+        raise RetrievalError("--query ranks images: also pass --images FOLDER")
+    if request.arithmetic and not (request.query_image and request.images):
+        raise RetrievalError("--minus/--plus change a --query-image, which then ranks the "
+                             "--images: pass --query-image PATH and --images FOLDER")
+    if request.query_image and not request.arithmetic and request.sentences is None:
+        raise RetrievalError("--query-image ranks sentences: also pass --sentences FILE")
+    if request.explain and not (request.query or request.query_image and not request.arithmetic):
+        raise RetrievalError("--explain draws a sentence against an image: pass a --query, or "
+                             "a --query-image without --minus/--plus")
+
+
+def embed_collection(request: RetrievalRequest, index_dirs: list[Path], members: list[Embedder]
+                     ) -> tuple[list[FragmentSet], list[FragmentSet], list[int]]:
+    """Each member's fragments of the --images and of the --sentences, from its cache in its
+    index folder (refreshed first), and each sentence's line number in the file."""
+    member_images = [image_embeddings(request.images, where, member, request.device)
+                     for where, member in zip(index_dirs, members, strict=True)
+                     if request.images]
+    member_sentences, lines = [], []
+    for where, member in zip(index_dirs, members, strict=True):
+        if request.sentences:
+            fragments, lines = sentence_embeddings(request.sentences, where, member,
+                                                   request.device)
+            member_sentences.append(fragments)
+    return member_images, member_sentences, lines
+
+
+def sentence_queries(request: RetrievalRequest, members: list[Embedder],
+                     weights: Sequence[float], member_images: list[FragmentSet]
+                     ) -> tuple[list[dict[str, Any]], list[tuple[Path, FragmentSet, FragmentSet]]]:
+    """The images ranked for each --query: its report entries, and its top (image file, image,
+    sentence), for --explain."""
+    if not request.query:
+        return [], []
+    queries = [embed_sentences(request.query, member, request.device) for member in members]
+    scores = ensemble_scores(members, weights, member_images, queries)
+    images = member_images[0]
+    # what the model reads of each: its fragments, or (one row each) its known words
+    unit, sizes = (("words", queries[0].detail[:, 0])
+                   if members[0].model.sentence.whole_sentence
+                   else ("fragments", queries[0].counts))
+    entries, pairs = [], []
+    for q, text in enumerate(queries[0].items):
+        best = top_k(scores[:, q], request.top_k)
+        entries.append({
+            "kind": "sentence", "query": text, unit: int(sizes[q]),
+            "results": [{"rank": r, "score": score, "image": images.items[i]}
+                        for r, (i, score) in enumerate(best, 1)]})
+        pairs.append((request.images / images.items[best[0][0]], images.select([best[0][0]]),
+                      queries[0].select([q])))
+    return entries, pairs
+
+
+def image_queries(request: RetrievalRequest, members: list[Embedder], weights: Sequence[float],
+                  member_sentences: list[FragmentSet], lines: list[int]
+                  ) -> tuple[list[dict[str, Any]], list[tuple[Path, FragmentSet, FragmentSet]]]:
+    """The sentences ranked for each --query-image: its report entries, and its top (image
+    file, image, sentence), for --explain."""
+    entries, pairs = [], []
+    for path in request.query_image:
+        queries = [embed_images([path], member, skip_bad=False, device=request.device)[0]
+                   for member in members]
+        best = top_k(ensemble_scores(members, weights, queries, member_sentences)[0],
+                     request.top_k)
+        sentences = member_sentences[0]
+        entries.append({
+            "kind": "image", "query": str(path), "boxes": int(queries[0].counts[0]),
+            "results": [{"rank": r, "score": score, "sentence": sentences.items[i],
+                         "line": lines[i]} for r, (i, score) in enumerate(best, 1)]})
+        pairs.append((path, queries[0], sentences.select([best[0][0]])))
+    return entries, pairs
+
+
+def explain_pair(request: RetrievalRequest, image_path: Path, image: FragmentSet,
+                 sentence: FragmentSet, embedder: Embedder) -> dict[str, Any]:
+    """Figure 4 for a query and its top result, drawn to --explain: what the report says of it."""
+    whole_sentence = embedder.model.sentence.whole_sentence
+    explained = {"image": str(image_path), "sentence": sentence.items[0]}
+    if whole_sentence:
+        picture, details = explain_words(image_path, image, sentence.items[0], embedder,
+                                         request.device)
+    else:
+        picture, details = explain(image_path, image, sentence, embedder)
+    if picture is not None:
+        request.explain.parent.mkdir(parents=True, exist_ok=True)
+        picture.save(request.explain)
+    else:
+        log.warning("%s not written", request.explain)
+    explained.update({"picture": str(request.explain) if picture is not None else None,
+                      "words" if whole_sentence else "fragments": details})
+    return explained
+
+
+def index_search(request: RetrievalRequest) -> dict[str, Any]:
+    """The report of `search` answered from a search index (trainer.search.index): two-stage
+    search of a collection of any size, embedded once."""
+    if request.minus or request.plus or request.images or request.sentences:
         raise RetrievalError("--index holds the images and sentences to search: drop --images, "
                              "--sentences, --minus and --plus")
-    if args.explain and not args.query:
+    if request.explain and not request.query:
         raise RetrievalError("with --index, --explain draws a --query against its top image")
-    index = SearchIndex.open(args.index, args.model)
+    index = SearchIndex.open(request.index, request.model)
     whole_sentence = index.embedder.model.sentence.whole_sentence
-    report: dict[str, Any] = {"model": str(args.model), "index_dir": str(args.index),
+    report: dict[str, Any] = {"model": str(request.model), "index_dir": str(request.index),
                               "images": len(index.image_names),
                               "sentences": len(index.sentences), "queries": []}
-    for text in args.query:
+    for text in request.query:
         query = index.query_rows(text)
         unit, size = (("words", int(query.detail[0, 0])) if whole_sentence
                       else ("fragments", len(query.embeddings)))
-        hits = index.images_for_rows(query, args.top_k)
+        hits = index.images_for_rows(query, request.top_k)
         report["queries"].append({
             "kind": "sentence", "query": text, unit: size,
             "results": [{"rank": r, "score": hit.score, "image": hit.item}
                         for r, hit in enumerate(hits, 1)]})
     origins = index.meta["sentence_origins"]
-    for path in args.query_image:
+    for path in request.query_image:
         image, _ = embed_images([path], index.embedder, skip_bad=False, progress=False)
-        hits = index.sentences_for_rows(image, args.top_k)
+        hits = index.sentences_for_rows(image, request.top_k)
         report["queries"].append({
             "kind": "image", "query": str(path), "boxes": int(image.counts[0]),
             "results": [{"rank": r, "score": hit.score, "sentence": hit.item,
                          "line": origins[hit.position]} for r, hit in enumerate(hits, 1)]})
-    if args.explain:
+    if request.explain:
         top = report["queries"][0]["results"][0]["image"]
-        picture, details = index.explain(args.query[0], top)
-        args.explain.parent.mkdir(parents=True, exist_ok=True)
-        picture.save(args.explain)
+        picture, details = index.explain(request.query[0], top)
+        request.explain.parent.mkdir(parents=True, exist_ok=True)
+        picture.save(request.explain)
         report["explain"] = {**details, "image": str(index.image_file(top)),
-                             "picture": str(args.explain)}
+                             "picture": str(request.explain)}
     return report
 
 
@@ -209,20 +288,21 @@ def ensemble_scores(members: list[Embedder], weights: Sequence[float],
                for weight, member, i, s in zip(weights, members, images, sentences, strict=True))
 
 
-def arithmetic_query(path: Path, query: FragmentSet, images: FragmentSet, minus: torch.Tensor,
-                     plus: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+def arithmetic_query(path: Path, embedder: Embedder, images: FragmentSet, minus: torch.Tensor,
+                     plus: torch.Tensor, request: RetrievalRequest) -> dict[str, Any]:
     """The report of a --query-image with --minus/--plus: the --images ranked by Kiros et al.'s
     eq. 15 (trainer.search.arithmetic), and the rank of the query image itself when it is one of
     them (None otherwise), which shows whether the top results are just the query image."""
+    query, _ = embed_images([path], embedder, skip_bad=False, device=request.device)
     order = top_k(arithmetic_scores(images, query, minus, plus), len(images.items))
-    own = path.name if path.parent.resolve() == args.images.resolve() else None
-    return {"kind": "arithmetic", "query": expression(str(path), args.minus, args.plus),
-            "image": str(path), "minus": args.minus, "plus": args.plus,
+    own = path.name if path.parent.resolve() == request.images.resolve() else None
+    return {"kind": "arithmetic", "query": expression(str(path), request.minus, request.plus),
+            "image": str(path), "minus": request.minus, "plus": request.plus,
             "boxes": int(query.counts[0]),
             "query_image_rank": next((r for r, (i, _) in enumerate(order, 1)
                                       if images.items[i] == own), None),
             "results": [{"rank": r, "score": score, "image": images.items[i]}
-                        for r, (i, score) in enumerate(order[:args.top_k], 1)]}
+                        for r, (i, score) in enumerate(order[:request.top_k], 1)]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,8 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.boxes == "detector" and not args.detector_weights:
         parser.error("--boxes detector needs --detector-weights FILE (a Faster R-CNN state dict)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    request = RetrievalRequest(**{field.name: getattr(args, field.name)
+                                  for field in fields(RetrievalRequest)})
     with one_line_errors(parser.prog, args.debug):
-        report = index_search(args) if args.index else search(args)
+        report = index_search(request) if request.index else search(request)
     print(json.dumps(report, indent=1, ensure_ascii=False) if args.json
           else format_report(report))
 
