@@ -28,3 +28,14 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
               Settings(out=root, parser="spacy", boxes="given", shard_size=SHARD_SIZE,
                        workers=1))
     return root
+
+
+@pytest.fixture(scope="session")
+def ddp_training(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """tests/test_train_e2e.py's 2-process torchrun training of `tiny_config` (DDP), once: its
+    run folder and output, which the tracking test checks and the kill and remote-shard tests
+    compare their final weights with."""
+    from tests.test_train_e2e import finish, tiny_config, torchrun
+
+    root = tmp_path_factory.mktemp("ddp-training")
+    return root / "run", finish(torchrun(tiny_config(root, shards)))

@@ -259,10 +259,10 @@ def http_training(server: HttpFolder, shards: Path,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_from_http_ends_with_the_local_weights(
-        shards: Path, tmp_path: Path, http_training: tuple[dict, list[str]]) -> None:
-    finish(torchrun(tiny_config(tmp_path, shards)))
+        ddp_training: tuple[Path, str], http_training: tuple[dict, list[str]]) -> None:
+    """The local training is the session's `ddp_training` (tests/conftest.py)."""
     weights, log = http_training
-    assert_same_weights(weights, final_weights(tmp_path / "run"))
+    assert_same_weights(weights, final_weights(ddp_training[0]))
     assert_read_once_per_epoch(log)
 
 

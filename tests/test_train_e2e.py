@@ -26,7 +26,7 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests import DEFRAG
 from trainer.evaluate import retrieval_metrics
-from trainer.store.registry import verify_model_folder
+from trainer.store.model_folder import ModelFolder
 from trainer.training.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.slow
@@ -70,15 +70,18 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
-def test_two_process_training_tracks_and_registers(tmp_path, shards, engine):
-    config = tiny_config(tmp_path, shards, engine=engine,
-                         deepspeed_config=str(ROOT / "launch/deepspeed/zero2.json"))
-    output = finish(torchrun(config))
+def test_two_process_training_tracks_and_registers(tmp_path, shards, engine, request):
+    """The DDP training is the session's `ddp_training` (tests/conftest.py)."""
+    if engine == "ddp":
+        run_dir, output = request.getfixturevalue("ddp_training")
+    else:
+        config = tiny_config(tmp_path, shards, engine=engine,
+                             deepspeed_config=str(ROOT / "launch/deepspeed/zero2.json"))
+        run_dir, output = tmp_path / "run", finish(torchrun(config))
     assert "Grad strides do not match" not in output  # tests/test_engines.py says why
     summary = json.loads(output.strip().splitlines()[-1])
-    run_dir = tmp_path / "run"
     assert summary["registered"] == "models:/defrag@champion"
-    verify_model_folder(run_dir / "best")
+    ModelFolder.open(run_dir / "best")
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
@@ -95,14 +98,11 @@ def test_two_process_training_tracks_and_registers(tmp_path, shards, engine):
     assert metrics["rsum"] == pytest.approx(summary["best_val_rsum"], abs=1e-3)
 
 
-def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
+def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards, ddp_training):
     """Rank 1 SIGKILLed at 5 random steps under `torchrun --max-restarts 5`: each restart resumes
-    from the newest checkpoint and the run ends with the uninterrupted run's weights, bit for
-    bit (the same trainings are bitwise reproducible: tests/test_remote_shards.py)."""
-    uninterrupted = tmp_path / "uninterrupted"
-    uninterrupted.mkdir()
-    finish(torchrun(tiny_config(uninterrupted, shards, checkpoint_every_steps=2)))
-
+    from the newest checkpoint and the run ends with the uninterrupted run's weights (the
+    session's `ddp_training`, which saves no checkpoint mid-epoch), bit for bit (the same
+    trainings are bitwise reproducible: tests/test_remote_shards.py)."""
     killed = tmp_path / "killed"
     killed.mkdir()
     process = torchrun(tiny_config(killed, shards, checkpoint_every_steps=2), restarts=5)
@@ -121,7 +121,7 @@ def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards):
     output = finish(process)
     assert output.count("resumed from") == 2 * 5  # both ranks of each restart
 
-    want, got = final_weights(uninterrupted / "run"), final_weights(killed / "run")
+    want, got = final_weights(ddp_training[0]), final_weights(killed / "run")
     assert want.keys() == got.keys()
     differ = {name: (got[name] - want[name]).abs().max().item() for name in want
               if not torch.equal(got[name], want[name])}
