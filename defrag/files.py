@@ -6,27 +6,59 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 CHECKSUMS = "checksums.json"  # a folder's file list and fingerprints, written last
+TEMPORARY = ".tmp-"  # marks a file being written beside its target: `<target name>.tmp-<id>`
+
+
+@contextmanager
+def replaced_atomically(target: Path, temporary: Path | None = None) -> Iterator[Path]:
+    """A path beside `target` to write a file or folder at, renamed onto `target` when the block
+    succeeds and removed when it fails: a reader (or a restart after a kill) sees the old
+    target or the new, never a part. `temporary` names it when several processes write it."""
+    temporary = temporary or target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
+    try:
+        yield temporary
+        if temporary.is_dir():  # a rename replaces an empty folder only
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(temporary, target)
+    except BaseException:
+        if temporary.is_dir():
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            temporary.unlink(missing_ok=True)
+        raise
 
 
 def write_atomically(path: Path, data: bytes | str) -> None:
-    """Replace `path` with `data` in one rename: a reader (or a restart after a kill) sees the
-    old content or the new, never a part."""
-    partial = path.with_name(f"{path.name}.partial")
-    partial.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(partial, path)
+    """Replace `path` with `data` (`replaced_atomically`)."""
+    with replaced_atomically(path) as temporary:
+        temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def sha256_stream(stream: BinaryIO) -> str:
+    """The sha256 (hex) of what is left to read in `stream`, read a block at a time."""
+    digest = hashlib.sha256()
+    for block in iter(lambda: stream.read(1 << 20), b""):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 (hex) of a file."""
+    with path.open("rb") as stream:
+        return sha256_stream(stream)
 
 
 def fingerprint(path: Path) -> dict[str, Any]:
     """The sha256 and size of a file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
 
 
 def write_checksums(folder: Path, **fields: Any) -> None:

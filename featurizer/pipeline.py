@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from defrag.files import replaced_atomically, write_atomically
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB, unsafe_path
 from defrag.urls import redact
@@ -29,15 +31,7 @@ from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
 from featurizer.parsing import Parser, make_parser
 from featurizer.records import ImageRecord, Problem
-from featurizer.shards import (
-    TMP_MARK,
-    ShardSpec,
-    clear_leftovers,
-    finished,
-    plan_shards,
-    write_json_atomically,
-    write_shard,
-)
+from featurizer.shards import ShardSpec, clear_leftovers, finished, plan_shards, write_shard
 from featurizer.sources import Source
 from featurizer.vocabulary import build_vocabulary, coverage, reused_vocabulary
 
@@ -97,12 +91,11 @@ def featurize(source: Source, settings: Settings) -> dict:
         min_fraction=settings.relation_min_fraction, min_count=settings.min_word_count,
         word_vectors=settings.word_vectors)
     settings.out.mkdir(parents=True, exist_ok=True)
-    vocab_tmp = settings.out / f"{VOCAB}{TMP_MARK}{os.getpid()}"
-    vocab.save(vocab_tmp)
-    os.replace(vocab_tmp, settings.out / VOCAB)
+    with replaced_atomically(settings.out / VOCAB) as vocab_tmp:
+        vocab.save(vocab_tmp)
     manifest = _manifest(settings, parser, box_source, vocab, reused is not None,
                          by_split_sidecars, train_counts, problems + shard_problems)
-    write_json_atomically(settings.out / MANIFEST, manifest)
+    write_atomically(settings.out / MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
     return manifest
 
 

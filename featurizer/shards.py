@@ -25,15 +25,12 @@ from pathlib import Path
 
 import webdataset as wds
 
+from defrag.files import TEMPORARY, replaced_atomically, sha256_file, write_atomically
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION
 from featurizer.images import BadImage, LoadedImage, load_image
 from featurizer.parsing import ParsedCaption, Parser
 from featurizer.records import NO_WORDS, Caption, ImageRecord, Problem, no_captions
-
-# A sidecar of another FORMAT_VERSION never counts as finished (the format is also in the
-# fingerprint), so a re-run over an older output folder rewrites every shard.
-TMP_MARK = ".tmp-"
 
 
 @dataclass
@@ -86,14 +83,8 @@ def _file_size(path: Path) -> int | None:
         return None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
+# A sidecar of another FORMAT_VERSION never counts as finished (the format is also in the
+# fingerprint), so a re-run over an older output folder rewrites every shard.
 def finished(spec: ShardSpec) -> dict | None:
     """The sidecar of `spec` if its shard is complete and current, else None."""
     try:
@@ -101,7 +92,7 @@ def finished(spec: ShardSpec) -> dict | None:
         complete = (sidecar.get("format") == FORMAT_VERSION
                     and sidecar.get("fingerprint") == spec.fingerprint
                     and spec.tar_path.stat().st_size == sidecar.get("bytes")
-                    and _sha256(spec.tar_path) == sidecar.get("sha256"))
+                    and sha256_file(spec.tar_path) == sidecar.get("sha256"))
     except (OSError, ValueError):
         return None
     return sidecar if complete else None
@@ -111,7 +102,7 @@ def clear_leftovers(directory: Path, num_shards: int) -> None:
     """Remove temporary files of interrupted runs and shards beyond the current plan."""
     for path in directory.glob("shard-*"):
         index = path.name.split(".")[0].removeprefix("shard-")
-        if TMP_MARK in path.name or not index.isdigit() or int(index) >= num_shards:
+        if TEMPORARY in path.name or not index.isdigit() or int(index) >= num_shards:
             path.unlink()
 
 
@@ -137,18 +128,17 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
         progress(1)
     spec.directory.mkdir(parents=True, exist_ok=True)
     spec.sidecar_path.unlink(missing_ok=True)
-    tmp = spec.tar_path.with_name(f"{spec.tar_path.name}{TMP_MARK}{os.getpid()}")
-    with tmp.open("wb") as stream:
-        writer = wds.TarWriter(stream, encoder=False, mtime=0)
-        for key, extension, data, meta in samples:
-            writer.write({"__key__": key, extension: data,
-                          "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
-        writer.close()
-        stream.flush()
-        os.fsync(stream.fileno())
-    sidecar = _sidecar(spec, tmp, [meta for *_, meta in samples], problems)
-    os.replace(tmp, spec.tar_path)
-    write_json_atomically(spec.sidecar_path, sidecar)
+    with replaced_atomically(spec.tar_path) as tmp:
+        with tmp.open("wb") as stream:
+            writer = wds.TarWriter(stream, encoder=False, mtime=0)
+            for key, extension, data, meta in samples:
+                writer.write({"__key__": key, extension: data,
+                              "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+            writer.close()
+            stream.flush()
+            os.fsync(stream.fileno())
+        sidecar = _sidecar(spec, tmp, [meta for *_, meta in samples], problems)
+    write_atomically(spec.sidecar_path, json.dumps(sidecar, ensure_ascii=False, indent=1))
     return sidecar
 
 
@@ -182,7 +172,7 @@ def _sidecar(spec: ShardSpec, tar: Path, metas: list[dict], problems: list[Probl
     captions = [c for meta in metas for c in meta["captions"]]
     return {
         "format": FORMAT_VERSION, "fingerprint": spec.fingerprint, "split": spec.split,
-        "file": spec.tar_path.name, "bytes": tar.stat().st_size, "sha256": _sha256(tar),
+        "file": spec.tar_path.name, "bytes": tar.stat().st_size, "sha256": sha256_file(tar),
         "samples": len(metas), "captions": len(captions),
         "triplets": sum(len(c["triplets"]) for c in captions),
         "tokens": sum(len(c["tokens"]) for c in captions),
@@ -190,10 +180,3 @@ def _sidecar(spec: ShardSpec, tar: Path, metas: list[dict], problems: list[Probl
         "word_counts": dict(Counter(w for c in captions for w in c["tokens"])),
         "skipped": [p.to_json() for p in problems],
     }
-
-
-def write_json_atomically(path: Path, data: dict) -> None:
-    """Write then rename, so a reader (or a re-run) never sees half a file."""
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
-    tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1))
-    os.replace(tmp, path)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import defrag.images
+from defrag.files import replaced_atomically
 from trainer.config import Config
 from trainer.data.shardset import training_manifest
 from trainer.model import DeFragModel
@@ -110,10 +110,9 @@ class FeatureCache:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank-{self.rank}.safetensors"
-        tmp = path.with_suffix(".tmp")
         tensors = {key: self.features[key].contiguous() for key in sorted(self.computed)}
-        save_file(tensors, tmp, metadata={"stamp": json.dumps(self.stamp, sort_keys=True)})
-        os.replace(tmp, path)
+        with replaced_atomically(path) as tmp:
+            save_file(tensors, tmp, metadata={"stamp": json.dumps(self.stamp, sort_keys=True)})
         self.unsaved = 0
         log.info("feature cache: %d images written to %s", len(tensors), path)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from defrag.files import sha256_stream
 from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode
 from defrag.urls import ShardError, describe_error, open_url, redact
 from defrag.vocab import Vocabulary
@@ -275,11 +276,8 @@ def _close_error(stream) -> str | None:
 
 
 def _sha256(shard: Shard, options: ReadOptions) -> str:
-    digest = hashlib.sha256()
     with open_url(shard.url, options.timeout) as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return sha256_stream(stream)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import defrag.images
+from defrag.files import replaced_atomically, write_atomically
 from trainer.search.embedder import Embedder, RetrievalError, embed_images, embed_sentences
 from trainer.search.fragment_set import FragmentSet
 
@@ -38,13 +38,12 @@ def _save(directory: Path, stem: str, fragments: FragmentSet, meta: dict[str, An
                "detail": fragments.detail}
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{stem}.safetensors.tmp-{token[:8]}"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"token": token})
-        os.replace(tmp, directory / f"{stem}.safetensors")
-        tmp = directory / f".{stem}.json.tmp-{token[:8]}"
-        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "token": token, **meta,
-                                   "items": fragments.items}, ensure_ascii=False, indent=1))
-        os.replace(tmp, directory / f"{stem}.json")
+        with replaced_atomically(directory / f"{stem}.safetensors") as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                      metadata={"token": token})
+        write_atomically(directory / f"{stem}.json", json.dumps(
+            {"format": CACHE_FORMAT, "token": token, **meta, "items": fragments.items},
+            ensure_ascii=False, indent=1))
     except OSError as err:
         log.warning("cannot write the index cache in %s (%s): the next query embeds again",
                     directory, err)

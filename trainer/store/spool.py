@@ -17,7 +17,7 @@ from typing import Any
 from mlflow.entities import Metric
 from PIL import Image
 
-from defrag.files import write_atomically
+from defrag.files import TEMPORARY, replaced_atomically, write_atomically
 from defrag.urls import redact
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ class Spool:
         return not (self.metrics.exists() or self.end.exists() or self.image_files())
 
     def image_files(self) -> list[Path]:
-        return sorted(path for path in self.images.rglob("*") if path.is_file())
+        """The pictures kept, not one being written."""
+        return sorted(path for path in self.images.rglob("*")
+                      if path.is_file() and TEMPORARY not in path.name)
 
     def add_metrics(self, metrics: list[Metric]) -> None:
         """Append metrics as JSON lines in one write: a kill mid-write cuts the last line only."""
@@ -107,9 +109,8 @@ class Spool:
         self._open()
         path = self.images / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.folder / "image.partial"
-        image.save(partial, format="PNG")
-        os.replace(partial, path)
+        with replaced_atomically(path) as partial:
+            image.save(partial, format="PNG")
 
     def add_end(self, status: str, error: str | None) -> None:
         self._open()

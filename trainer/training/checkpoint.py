@@ -30,7 +30,13 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from defrag.files import CHECKSUMS, verify_checksums, write_atomically, write_checksums
+from defrag.files import (
+    CHECKSUMS,
+    replaced_atomically,
+    verify_checksums,
+    write_atomically,
+    write_checksums,
+)
 from defrag.urls import redact
 from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
 from trainer.store.tracking import flatten
@@ -70,7 +76,7 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
     """Collective: every rank calls it. Returns the checkpoint folder."""
     root = checkpoints_dir(run_dir)
     name = f"step-{state.global_step:08d}"
-    tmp = root / f"{TMP_PREFIX}{name}"
+    tmp = root / f"{TMP_PREFIX}{name}"  # every rank's engine writes into it
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -82,11 +88,10 @@ def save_checkpoint(engine, state: TrainState, run_dir: Path, rank: int, keep: i
     state.world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         with _failure_named(tmp):
-            (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-            config.to_json(tmp / CONFIG)
-            write_checksums(tmp)  # last: a folder without them is never resumed
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            with replaced_atomically(final, tmp):
+                (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+                config.to_json(tmp / CONFIG)
+                write_checksums(tmp)  # last: a folder without them is never resumed
             write_atomically(root / "latest", name)
         _prune(root, keep, final)
     _barrier()
