@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import trainer.training.loop
 from trainer.config import Config
-from trainer.main import find_checkpoint, train
+from trainer.main import train
 from trainer.training.checkpoint import (
     CheckpointError,
     checkpoints_dir,
@@ -30,6 +30,7 @@ from trainer.training.checkpoint import (
 )
 from trainer.training.distributed import DistContext, end_process
 from trainer.training.preemption import REQUEST, Preempted
+from trainer.training.run import find_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -11,7 +11,6 @@ image side and the gather are the same code).
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -68,23 +67,42 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
     return [p.detach().clone() for p in model.parameters()]
 
 
+ENCODERS = ("fragments", "lstm", "linear", "dtrnn", "sdtrnn")
+
+
+def phases(encoder: str) -> tuple[int, ...]:
+    """The epochs stepped: phase 1 (cached frozen CNN features, C_0) and, for the fragment
+    encoder, phase 2 (MIL, finetuning)."""
+    return (0, 1) if encoder == "fragments" else (0,)
+
+
+@pytest.fixture(scope="module")
+def single_process_steps(shards, tmp_path_factory) -> str:
+    """One process stepping on the whole batch, for every encoder and phase: a file of the
+    parameters after the step, which every distributed test compares with."""
+    cpu = DistContext(0, 1, 0, torch.device("cpu"))
+    steps = {(encoder, epoch): step_parameters(make_config(shards, "ddp", 0, encoder), cpu,
+                                               PAIRS, epoch)
+             for encoder in ENCODERS for epoch in phases(encoder)}
+    path = tmp_path_factory.mktemp("single") / "steps.pt"
+    torch.save(steps, path)
+    return str(path)
+
+
 def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
-           stage: int, encoders: tuple[str, ...]) -> None:
+           stage: int, single_steps: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets; DeepSpeed requires it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
     start = sum(SPLITS[world_size][:rank])
     mine = PAIRS[start:start + SPLITS[world_size][rank]]
-    cpu = torch.device("cpu")
-    for encoder in encoders:
+    wanted = torch.load(single_steps)
+    for encoder in ENCODERS:
         cfg = make_config(shards, engine, stage, encoder)
-        single = copy.deepcopy(cfg)
-        single.run.engine = "ddp"
-        # phase 1 (cached frozen CNN features, C_0), phase 2 (MIL, finetuning)
-        for epoch in (0, 1) if encoder == "fragments" else (0,):
-            want = step_parameters(single, DistContext(0, 1, 0, cpu), PAIRS, epoch)
-            got = step_parameters(cfg, DistContext(rank, world_size, rank, cpu), mine, epoch)
-            for a, b in zip(got, want, strict=True):
+        for epoch in phases(encoder):
+            got = step_parameters(cfg, DistContext(rank, world_size, rank, torch.device("cpu")),
+                                  mine, epoch)
+            for a, b in zip(got, wanted[encoder, epoch], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, e=encoder: f"{e}: {m}")
     end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
@@ -93,11 +111,10 @@ def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,stage,world_size", [
     ("ddp", 0, 2), ("ddp", 0, 3), ("deepspeed", 1, 2), ("deepspeed", 2, 3)])
-def test_distributed_step_equals_single_process_step(tmp_path, shards, engine, stage,
-                                                     world_size):
-    encoders = ("fragments", "lstm", "linear", "dtrnn", "sdtrnn")
+def test_distributed_step_equals_single_process_step(tmp_path, shards, single_process_steps,
+                                                     engine, stage, world_size):
     mp.spawn(worker, args=(world_size, str(tmp_path / "store"), str(shards), engine, stage,
-                           encoders), nprocs=world_size)
+                           single_process_steps), nprocs=world_size)
 
 
 @pytest.mark.parametrize("region_mode", ["roi", "crop"])

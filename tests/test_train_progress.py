@@ -49,7 +49,7 @@ def test_phase_and_lr_changes_are_logged_and_kept_in_the_history(
 
 def test_lr_decays_every_epoch_and_anneals_at_the_end() -> None:
     """lr x lr_decay ** epoch (Kiros 4.1), x anneal_factor for the last epochs (paper 3.4)."""
-    from trainer.training.loop import learning_rate
+    from trainer.training.schedule import learning_rate
 
     cfg = Config.from_dict({"optim": {"lr": 1.0, "lr_decay": 0.5, "epochs": 4,
                                       "anneal_last_epochs": 1, "anneal_factor": 0.1}})
@@ -58,7 +58,7 @@ def test_lr_decays_every_epoch_and_anneals_at_the_end() -> None:
 
 def test_hardest_negatives_start_after_the_warm_up() -> None:
     """VSE++: summed hinges before objective.hardest_negative_from_epoch, the hardest after."""
-    from trainer.training.loop import describe_plan, epoch_plan
+    from trainer.training.schedule import describe_plan, epoch_plan
 
     cfg = Config.from_dict({"objective": {"hardest_negative": True,
                                           "hardest_negative_from_epoch": 2}})

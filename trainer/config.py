@@ -172,7 +172,8 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    """Engine, devices, checkpoints and fault handling of a training run (trainer/main.py)."""
+    """Engine, devices, checkpoints and fault handling of a training run
+    (trainer/training/run.py)."""
 
     run_dir: str = "runs/defrag"  # checkpoints, best model, embedded MLflow store
     engine: Literal["ddp", "deepspeed"] = "ddp"

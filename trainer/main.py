@@ -2,7 +2,8 @@
 
 Joins the process group, builds the model from the shards' vocabulary, resumes from the run's
 latest checkpoint when there is one (so torchrun restarts and SLURM requeues continue), trains
-(trainer/training/loop.py), and registers the best model in MLflow. Rank 0 holds the run folder's
+(trainer/training/loop.py), and registers the best model in MLflow (the run's life, shared with
+the captioner's training: trainer/training/run.py). Rank 0 holds the run folder's
 lock for the whole run (trainer/training/run_lock.py). A run asked to stop (the PREEMPT file, or
 SIGTERM: trainer/training/preemption.py) checkpoints and exits 0 (143 after SIGTERM) without
 registering.
@@ -10,58 +11,14 @@ registering.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from defrag.cli import add_debug_flag, one_line_errors
-from defrag.urls import redact
 from trainer.config import Config
 from trainer.data.shardset import load_vocabulary
 from trainer.model import DeFragModel
-from trainer.store.registry import register_from_run
-from trainer.store.tracking import RegistrationFailed, Tracker
-from trainer.training.checkpoint import (
-    TrainState,
-    clear_partial,
-    latest_checkpoint,
-    load_state,
-    resume_changes,
-    verify_checkpoint,
-)
-from trainer.training.distributed import DistContext, end_process, init_distributed
+from trainer.training.distributed import DistContext
 from trainer.training.loop import Trainer
-from trainer.training.preemption import Preempted, stop_on_sigterm
-from trainer.training.run_lock import run_dir_locked
-
-log = logging.getLogger("trainer")
-
-
-def parse_args(argv: list[str] | None, prog: str, doc: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
-    parser.add_argument("--config", help="YAML config file (trainer/config.py lists every key)")
-    parser.add_argument("--resume", default="latest",
-                        help="'latest' (default: the run's newest checkpoint, if any), "
-                             "'none' (start over), or a checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=0.01")
-    add_debug_flag(parser)
-    return parser.parse_intermixed_args(argv)  # overrides before and after the options
-
-
-def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
-    """The verified checkpoint `--resume` names: none, the newest intact one, or a folder."""
-    if resume == "none":
-        return None
-    if resume == "latest":
-        return latest_checkpoint(run_dir)
-    return verify_checkpoint(Path(resume), advice="resume another checkpoint (--resume latest "
-                                                   "takes the newest intact one)")
+from trainer.training.run import fit_and_register, main_of
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
@@ -72,96 +29,6 @@ def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
     return fit_and_register(
         cfg, ctx, resume, lambda tracker, state: Trainer(cfg, ctx, model, vocab, tracker, state),
         best=lambda state: {"best_val_rsum": state.best_score})
-
-
-def fit_and_register(cfg: Config, ctx: DistContext, resume: str,
-                     start: Callable[[Tracker, TrainState], Any],
-                     best: Callable[[TrainState], dict], experiment: str = "defrag") -> dict:
-    """What every training run does around its trainer (`start(tracker, state)`, with `resume`
-    and `fit`): the run folder, the checkpoint to resume, the MLflow run, and rank 0's
-    registration of `best/`; the run's summary (`best` names its best figure). A failed
-    registration raises RegistrationFailed carrying the summary, with the command that registers
-    `best/` later."""
-    run_dir = Path(cfg.run.run_dir)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        clear_partial(run_dir)
-    checkpoint = find_checkpoint(resume, run_dir)
-    state = load_state(checkpoint) if checkpoint else TrainState()
-    # refused before the MLflow run is touched: a refused resume leaves it as it was
-    changes = (", ".join(resume_changes(checkpoint, state, cfg, ctx.world_size)) if checkpoint
-               else "")
-    tracker = Tracker.start(cfg, run_dir, ctx.rank, experiment=experiment,
-                            resume_run_id=state.mlflow_run_id)
-    with tracker:  # any exception ends the run FAILED, the error as its tag
-        if changes and ctx.is_main:
-            log.info("resuming %s with a changed config: %s", checkpoint, changes)
-            tracker.set_tag(f"resumed/{checkpoint.name}", changes)
-        trainer = start(tracker, state)
-        if checkpoint:
-            trainer.resume(checkpoint)
-        try:
-            state = trainer.fit()
-        except Preempted:
-            tracker.finish("KILLED")  # the requeued job resumes it (RUNNING again)
-            raise
-        summary = {"best_epoch": state.best_epoch, **best(state), "run_dir": str(run_dir),
-                   "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri}
-        if ctx.is_main and state.best_epoch >= 0:
-            name, alias = cfg.run.register_name, cfg.run.register_alias
-            try:  # under a path of its own: a run resumed for more epochs registers each new best
-                version = register_from_run(tracker, run_dir / "best", name, alias,
-                                            artifact_path=f"model-epoch-{state.best_epoch:03d}")
-            except RegistrationFailed as failed:  # the run still ends FINISHED
-                failed.summary = {**summary, "registered": None, "version": None,
-                                  "registration_error": failed.error,
-                                  "register_later": failed.command}
-                raise
-            summary.update(registered=f"models:/{name}@{alias}", version=version)
-    return summary
-
-
-TrainFn = Callable[[Config, DistContext, str], dict]
-
-
-def run(args: argparse.Namespace, train_fn: TrainFn) -> int:
-    """Load the config, join the process group, lock the run folder, train; the summary printed
-    by rank 0. The exit status: 0, or a stop's (trainer/training/preemption.py says why)."""
-    cfg = Config.load(args.config, args.overrides)
-    ctx = init_distributed(cfg.run.device)
-    try:
-        with stop_on_sigterm(), run_dir_locked(cfg.run.run_dir, ctx):
-            summary = train_fn(cfg, ctx, args.resume)
-    except Preempted as stop:  # a clean stop
-        log.info("%s", stop)
-        return stop.exit_code
-    except RegistrationFailed as failed:  # trained, not registered: the summary, then exit 1
-        print(json.dumps(redact(failed.summary)))
-        raise
-    if ctx.is_main:
-        print(json.dumps(redact(summary)))
-    return 0
-
-
-def main_of(train_fn: TrainFn, prog: str, doc: str) -> Callable[[list[str] | None], None]:
-    """The entry point of a torchrun-launched training (`train_fn`): arguments, logging, one
-    error line, and the process's exit code (trainer.main, trainer.caption.train)."""
-
-    def main(argv: list[str] | None = None) -> None:
-        args = parse_args(argv, prog, doc)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        code = 1  # unless the training ends or is preempted
-        try:
-            with one_line_errors(prog, args.debug):
-                code = run(args, train_fn)
-        except SystemExit as failed:  # one_line_errors' line (end_process exits before Python
-            print(failed.code, file=sys.stderr)  # would print it)
-        except Exception:  # with --debug
-            log.exception("training failed")
-        finally:
-            end_process(code)
-
-    return main
 
 
 main = main_of(train, "trainer.main", __doc__)

@@ -9,7 +9,7 @@ them once with the encoder, and every epoch trains on its prediction windows in 
 a function of (seed, epoch, rank), the same number of steps on every rank (DDP). After each epoch
 rank 0 measures dev perplexity; the captioner folder of the best epoch
 (trainer/caption/captioner.py) is kept as best/ and registered. Checkpoints, resume (mid-epoch too)
-and clean stops on request work as in trainer.main.
+and clean stops on request work as in trainer.main (trainer/training/run.py).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from trainer.caption.scnlm import SCNLM
 from trainer.config import Config, ConfigError
 from trainer.data.reader import ReadOptions
 from trainer.data.shardset import train_split, val_split
-from trainer.main import fit_and_register, main_of
 from trainer.store.registry import load_model_folder
 from trainer.store.tracking import Tracker
 from trainer.training.checkpoint import TrainState, save_checkpoint
 from trainer.training.distributed import DistContext
 from trainer.training.engine import DDPEngine
-from trainer.training.loop import learning_rate
 from trainer.training.preemption import acknowledge, stop_requested
+from trainer.training.run import fit_and_register, main_of
+from trainer.training.schedule import learning_rate
 
 log = logging.getLogger("trainer.caption.train")
 EXPERIMENT = "defrag-captioner"
@@ -254,7 +254,7 @@ class CaptionTrainer:
 
 
 def train(cfg: Config, ctx: DistContext, resume: str) -> dict:
-    """Train and register the best captioner; the run's summary (trainer.main's machinery)."""
+    """Train and register the best captioner; the run's summary (trainer/training/run.py)."""
     torch.manual_seed(cfg.seed)
     return fit_and_register(
         cfg, ctx, resume,

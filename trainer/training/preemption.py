@@ -21,7 +21,8 @@ one all-reduce of what each rank saw, so all ranks stop after the same step (a r
 the validation stops the run once it and that checkpoint are done, not earlier). They
 checkpoint together (at an epoch's end: the end-of-epoch checkpoint), rank 0 replaces the
 request with `<run_dir>/PREEMPTED` (the checkpoint's global step), and every rank raises
-`Preempted`: `trainer.main` marks the MLflow run KILLED and exits without registering a model.
+`Preempted`: `trainer.training.run` marks the MLflow run KILLED and exits without registering a
+model.
 
 The exit status. On the PREEMPT file: 0, because torchrun reports a failed worker as its own
 exit status 1 (and restarts the workers under `--max-restarts`), so a code would never reach the
