@@ -47,9 +47,9 @@ from trainer.caption.evaluate import embed_split
 from trainer.caption.scnlm import SCNLM
 from trainer.config import Config
 from trainer.data.reader import ReadOptions
-from trainer.data.shardset import load_vocabulary, train_split
+from trainer.data.shardset import load_vocabulary, train_split, training_featurizer
 from trainer.model import DeFragModel
-from trainer.store.registry import save_model_folder
+from trainer.store.model_folder import save_model_folder
 
 SINGLE = 50  # candidates decoded one at a time for the decode floor
 
@@ -134,7 +134,7 @@ def synthetic_captioner(out: Path, images: int) -> tuple[Path, str]:
                             "data": {"shards": str(out)}})
     vocab = load_vocabulary(cfg.data)
     encoder = save_model_folder(out / "encoder", DeFragModel.from_config(cfg.model, vocab, seed=0),
-                                cfg, vocab)
+                                cfg, vocab, featurizer=training_featurizer(cfg.data))
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
     captions = read_captions(train_split(cfg.data).shards, vocab, ReadOptions(), "train")
     vectors = sentence_vectors(model.sentence, vocab, [c.tokens for c in captions])

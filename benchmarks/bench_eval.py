@@ -60,9 +60,10 @@ import torch
 
 from defrag.vocab import Vocabulary
 from trainer.config import Config
+from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
 from trainer.objectives import score_matrix
-from trainer.store.registry import save_model_folder
+from trainer.store.model_folder import save_model_folder
 
 DEFRAG = str(Path(sys.executable).with_name("defrag"))  # the `defrag` command
 
@@ -188,7 +189,8 @@ def untrained_model(cache: Path, shards: Path) -> tuple[Path, int]:
     folder = cache / "model"
     if not folder.is_dir():
         vocab = Vocabulary.load(shards / "vocab.json")
-        save_model_folder(folder, DeFragModel.from_config(cfg.model, vocab, seed=0), cfg, vocab)
+        save_model_folder(folder, DeFragModel.from_config(cfg.model, vocab, seed=0), cfg, vocab,
+                          featurizer=training_featurizer(cfg.data))
     return folder, cfg.model.embed_dim
 
 

@@ -27,10 +27,11 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests.small_training import train_small
 from tests.test_arithmetic import one_thread
+from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
-from trainer.search.embedder import embed_images, embed_sentences, load_embedder
+from trainer.search.embedder import Embedder, embed_images, embed_sentences
 from trainer.search.fragment_set import rank
-from trainer.store.registry import load_model_folder, save_model_folder
+from trainer.store.model_folder import ModelFolder, save_model_folder
 
 NUM_TRAIN, NUM_VAL, EPOCHS = 300, 16, 10
 MIN_MARGIN = 0.5  # the chosen caption's own image beats the next one by this much (eq. 6)
@@ -59,9 +60,10 @@ def build_world(root: Path) -> SearchWorld:
                   Settings(out=shards, parser="spacy", boxes="fullframe", shard_size=100,
                            workers=1))
         model_dir = train_fragments(shards, root / "run")
-        _, cfg, vocab = load_model_folder(model_dir)
+        trained = ModelFolder.open(model_dir)
+        cfg, vocab = trained.config, trained.vocab
         other = save_model_folder(root / "other", DeFragModel.from_config(cfg.model, vocab, seed=1),
-                                  cfg, vocab)
+                                  cfg, vocab, featurizer=training_featurizer(cfg.data))
         photos = root / "photos"
         photos.mkdir()
         captions = {}
@@ -92,7 +94,7 @@ def clearest_caption(model_dir: Path, photos: Path, captions: dict[str, list[str
                      ) -> tuple[str, str, float]:
     """The caption whose own image the model (an exact scan, not the index) ranks first by the
     widest margin: the caption, its image and the margin."""
-    embedder = load_embedder(model_dir, None, None, None)
+    embedder = Embedder.from_folder(ModelFolder.open(model_dir))
     images, _ = embed_images(sorted(photos.iterdir()), embedder, skip_bad=False)
     texts = [(text, name) for name, cs in captions.items() for text in cs]
     scores = rank(images, embed_sentences([text for text, _ in texts], embedder),

@@ -29,8 +29,9 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
 from tests.small_training import train_small
 from trainer.search.arithmetic import arithmetic_scores, term_vectors
-from trainer.search.embedder import embed_images, load_embedder
+from trainer.search.embedder import Embedder, embed_images
 from trainer.search.fragment_set import top_k
+from trainer.store.model_folder import ModelFolder
 
 pytestmark = pytest.mark.slow
 TOP = 10  # the images of each query that are checked for the added colour
@@ -73,7 +74,7 @@ def colour_swaps(model_dir: Path, images: Path, colours: dict[str, set[str]]) ->
     against chance (the share of all images naming those colours) and against the image alone
     (its TOP nearest other images, no arithmetic); and how often the query image itself is
     among the TOP."""
-    embedder = load_embedder(model_dir, None, None, None)
+    embedder = Embedder.from_folder(ModelFolder.open(model_dir))
     embedded, _ = embed_images(sorted(images.iterdir()), embedder, skip_bad=False)
     word = {c: term_vectors([c], "--plus", embedder) for c in COLOURS}
     nothing = torch.zeros(0, embedder.cfg.model.embed_dim)

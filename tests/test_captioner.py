@@ -37,9 +37,9 @@ from trainer.caption.data import (
 )
 from trainer.config import Config
 from trainer.data.reader import ReadOptions
-from trainer.data.shardset import load_vocabulary, train_split
+from trainer.data.shardset import load_vocabulary, train_split, training_featurizer
 from trainer.model import DeFragModel
-from trainer.store.registry import ModelFolderError, save_model_folder, verify_model_folder
+from trainer.store.model_folder import ModelFolder, ModelFolderError, save_model_folder
 from trainer.training.checkpoint import latest_checkpoint, load_state
 from trainer.training.distributed import DistContext
 from trainer.training.preemption import REQUEST, Preempted
@@ -79,7 +79,8 @@ def encoder(shards, tmp_path_factory) -> Path:
                             "data": {"shards": str(shards)}})
     vocab = load_vocabulary(cfg.data)
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
-    return save_model_folder(tmp_path_factory.mktemp("encoder") / "lstm", model, cfg, vocab)
+    return save_model_folder(tmp_path_factory.mktemp("encoder") / "lstm", model, cfg, vocab,
+                             featurizer=training_featurizer(cfg.data))
 
 
 def caption_config(tmp_path: Path, shards: Path, encoder: Path, **optim: object) -> Config:
@@ -135,12 +136,12 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, shards, en
     assert len(client.get_metric_history(run.info.run_id, "val/perplexity")) == 1
 
     best = Path(cfg.run.run_dir) / "best"
-    verify_model_folder(best)
+    ModelFolder.open(best)
     altered = tmp_path / "altered"
     shutil.copytree(best, altered)
     (altered / "encoder" / "config.json").write_text("{}")
     with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
-        verify_model_folder(altered)
+        ModelFolder.open(altered)
     with pytest.raises(ModelFolderError, match=r"encoder/config.json does not match"):
         Captioner(altered)  # the encoder is verified as it loads
     with pytest.raises(ModelFolderError, match="is not a captioner folder"):

@@ -36,10 +36,11 @@ from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import tiny_config, torchrun
 from trainer.data.eval_set import IncompleteSplit, load_eval_set
 from trainer.data.reader import DataProblem
+from trainer.data.shardset import training_featurizer
 from trainer.data.train_loader import TrainLoader
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
-from trainer.store.registry import save_model_folder
+from trainer.store.model_folder import save_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SHARD = "train/shard-000003.tar"  # images__train_00015_png .. 00019
@@ -328,8 +329,9 @@ def test_a_shard_problem_found_after_a_chunk_boundary_is_kept(
 @pytest.fixture
 def model_folder(model: DeFragModel, shards: Path, vocab: Vocabulary, tmp_path: Path) -> Path:
     """The small model as a registered model folder (default data settings: verify local)."""
-    return save_model_folder(tmp_path / "model", model, make_config(shards, model=SMALL_MODEL),
-                             vocab)
+    cfg = make_config(shards, model=SMALL_MODEL)
+    return save_model_folder(tmp_path / "model", model, cfg, vocab,
+                             featurizer=training_featurizer(cfg.data))
 
 
 def evaluate_command(folder: Path, shards: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -20,13 +20,14 @@ from safetensors.torch import load_file
 import trainer.search.index as index
 import trainer.search.index_builder as index_builder
 import trainer.search.retrieve as retrieve
+from tests.test_model_folders import count_hashes
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
 from trainer.data.eval_set import load_eval_set
 from trainer.evaluate import embed_eval_set
 from trainer.objectives import score_matrix
-from trainer.search.embedder import RetrievalError, embed_images, embed_sentences, load_embedder
+from trainer.search.embedder import Embedder, RetrievalError, embed_images, embed_sentences
 from trainer.search.fragment_set import rank
-from trainer.store.registry import load_model_folder, save_ensemble
+from trainer.store.model_folder import ModelFolder, save_ensemble
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def folder_index(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 def exact_scores(world: World, model_dir: Path) -> torch.Tensor:
     """The exact scan the retrieval CLI does: every image against every caption [img, sent]."""
-    embedder = load_embedder(model_dir, None, None, None)
+    embedder = Embedder.from_folder(ModelFolder.open(model_dir))
     images, _ = embed_images(sorted(world.images.iterdir()), embedder, skip_bad=False)
     sentences = embed_sentences(world.captions, embedder)
     objective = embedder.cfg.objective
@@ -117,8 +118,10 @@ def test_a_whole_sentence_encoders_first_stage_is_its_score(world: World,
 def test_shard_index_matches_the_evaluation(world: World, tmp_path: Path) -> None:
     meta = build("--model", world.model_dir, "--shards", world.shards, "--split", "val",
                  "--out", tmp_path / "index", "--workers", "1")
-    model, cfg, vocab = load_model_folder(world.model_dir)
-    embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+    opened = ModelFolder.open(world.model_dir)
+    cfg = opened.config
+    embedded = embed_eval_set(opened.load_model(),
+                              load_eval_set(cfg, opened.vocab, "val", rank=0, world_size=1))
     assert meta["sentences"] == embedded.captions
     assert meta["images"] == [f"{name}.png" for name in embedded.image_ids]
     assert meta["sentence_origins"] == [meta["images"][k] for k in embedded.sentence_image]
@@ -186,8 +189,8 @@ def test_bad_queries_and_another_model_get_one_clear_line(world: World, folder_i
         searched.image_file("../model/weights.safetensors")
     with pytest.raises(index.IndexMismatch) as refused:
         index.SearchIndex.open(folder_index, model=world.linear_dir)
-    own = load_embedder(world.model_dir, None, None, None).model_key
-    other = load_embedder(world.linear_dir, None, None, None).model_key
+    own = ModelFolder.open(world.model_dir).checksums_key
+    other = ModelFolder.open(world.linear_dir).checksums_key
     assert own[:16] in str(refused.value) and other[:16] in str(refused.value)
     with pytest.raises(SystemExit, match="--images .*nowhere: no such folder"):
         index_builder.main(["--model", str(world.model_dir), "--images",
@@ -303,3 +306,10 @@ def test_an_ensemble_is_refused_naming_its_members(world: World, tmp_path: Path)
     with pytest.raises(SystemExit, match="is an ensemble; an index holds one model's fragments"):
         index_builder.main(["--model", str(ensemble), "--images", str(world.images), "--out",
                             str(tmp_path / "index")])
+
+
+def test_opening_an_index_hashes_its_model_folder_once(world: World, folder_index: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed = count_hashes(monkeypatch)
+    index.SearchIndex.open(folder_index)
+    assert sorted(hashed) == sorted(path.name for path in world.model_dir.iterdir())

@@ -1,6 +1,6 @@
-"""Model folders (trainer/store/registry.py) that pass their checksums but must still be refused:
-pickled weights (a `torch.save` zip, a plain pickle) named by what they are, and symlinks that
-lead out of the folder."""
+"""Model folders (trainer/store/model_folder.py) that pass their checksums but must still be
+refused: pickled weights (a `torch.save` zip, a plain pickle) named by what they are, and symlinks
+that lead out of the folder; and a folder read once by what uses it."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from defrag import files
 from tests.test_registry import VOCAB_WORDS, rewrite_checksums, tiny_model
-from trainer.store.registry import (
+from trainer.search.embedder import Embedder
+from trainer.store import model_folder
+from trainer.store.model_folder import (
     VOCAB,
     WEIGHTS,
+    ModelFolder,
     ModelFolderError,
-    load_model_folder,
     save_model_folder,
-    verify_model_folder,
 )
 
 
@@ -49,23 +51,22 @@ def folder(saved: Path, tmp_path: Path) -> Path:
 ])
 def test_pickled_weights_are_refused_by_what_they_are(folder: Path, kind: str,
                                                       expected: str) -> None:
-    state = load_model_folder(folder)[0].state_dict()
+    state = ModelFolder.open(folder).load_model().state_dict()
     data = {"torch.save": lambda: torch_save(state),
             "legacy torch.save": lambda: torch_save(state, _use_new_zipfile_serialization=False),
             "pickle": lambda: pickle.dumps({k: v.numpy() for k, v in state.items()})}[kind]()
     (folder / WEIGHTS).write_bytes(data)
     rewrite_checksums(folder)  # the checksums match: only the content gives it away
-    for check in (verify_model_folder, load_model_folder):
-        with pytest.raises(ModelFolderError,
-                           match=f"{folder / WEIGHTS} is {expected}, not safetensors"):
-            check(folder)
+    with pytest.raises(ModelFolderError,
+                       match=f"{folder / WEIGHTS} is {expected}, not safetensors"):
+        ModelFolder.open(folder)
 
 
 def test_weights_that_are_not_safetensors_are_named(folder: Path) -> None:
     (folder / WEIGHTS).write_bytes(b"\xff" * 64)
     rewrite_checksums(folder)
     with pytest.raises(ModelFolderError, match=f"{folder / WEIGHTS} is not a safetensors file"):
-        load_model_folder(folder)
+        ModelFolder.open(folder)
 
 
 def test_symlink_out_of_the_folder_is_refused(folder: Path, tmp_path: Path) -> None:
@@ -75,9 +76,31 @@ def test_symlink_out_of_the_folder_is_refused(folder: Path, tmp_path: Path) -> N
     (folder / VOCAB).symlink_to(outside)  # the same bytes: the checksums match
     with pytest.raises(ModelFolderError, match=f"{folder / VOCAB} is a link to {outside}, "
                                                "outside"):
-        load_model_folder(folder)
+        ModelFolder.open(folder)
 
 
 def test_a_folder_reached_through_a_link_loads(folder: Path, tmp_path: Path) -> None:
     (tmp_path / "linked").symlink_to(folder)  # e.g. models/champion -> runs/f8k/best
-    load_model_folder(tmp_path / "linked")
+    ModelFolder.open(tmp_path / "linked").load_model()
+
+
+def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files hashed from now on (`fingerprint` wrapped, not replaced)."""
+    hashed, fingerprint = [], files.fingerprint
+
+    def counted(path: Path) -> dict:
+        hashed.append(path.name)
+        return fingerprint(path)
+
+    monkeypatch.setattr(files, "fingerprint", counted)
+    monkeypatch.setattr(model_folder, "fingerprint", counted)
+    return hashed
+
+
+def test_an_embedder_hashes_its_folder_once(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening verifies every file and takes the checksums key in one pass; the embedder built
+    from the opened folder hashes nothing again."""
+    hashed = count_hashes(monkeypatch)
+    embedder = Embedder.from_folder(ModelFolder.open(saved))
+    assert sorted(hashed) == sorted(path.name for path in saved.iterdir())
+    assert embedder.model_key == files.fingerprint(saved / "checksums.json")["sha256"]

@@ -37,24 +37,12 @@ from trainer.caption.captioner import CaptionerParts, save_captioner
 from trainer.caption.data import Caption
 from trainer.caption.scnlm import SCNLM
 from trainer.config import Config, DataConfig, ModelConfig
+from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
-from trainer.search.embedder import (
-    Embedder,
-    RetrievalError,
-    embed_images,
-    embed_sentences,
-    load_embedder,
-)
+from trainer.search.embedder import Embedder, RetrievalError, embed_images, embed_sentences
 from trainer.search.fragment_set import FragmentSet
-from trainer.store.registry import (
-    MLMODEL,
-    download_model,
-    load_model_folder,
-    register_model,
-    save_ensemble,
-    save_model_folder,
-    verify_model_folder,
-)
+from trainer.store.model_folder import ModelFolder, save_ensemble, save_model_folder
+from trainer.store.registry import MLMODEL, download_model, register_model
 from trainer.store.tracking import connect, experiment_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +65,8 @@ class Store:
                      data=DataConfig(shards=str(shards), val_split="val"))
         self.model_dir, self.other_dir = (
             save_model_folder(root / name, DeFragModel.from_config(cfg.model, vocab, seed=seed),
-                              cfg, vocab) for seed, name in enumerate(["model", "other"]))
+                              cfg, vocab, featurizer=training_featurizer(cfg.data))
+            for seed, name in enumerate(["model", "other"]))
         self.image_folder = root / "source" / "images"
         self.images = sorted(self.image_folder.glob("val_*.png"))
         records = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -99,7 +88,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
 
 @pytest.fixture(scope="module")
 def embedder(store: Store) -> Embedder:
-    return load_embedder(store.model_dir, None, None, None)
+    return Embedder.from_folder(ModelFolder.open(store.model_dir))
 
 
 @pytest.fixture
@@ -227,7 +216,7 @@ def test_ensembles_and_captioners_register_download_and_load(store: Store, track
                           artifact_path=kind) == "1"
     dst = download_model(f"models:/defrag-{kind}@champion", tmp_path / "dl", store.uri)
     assert (dst / CHECKSUMS).read_bytes() == (folder / CHECKSUMS).read_bytes()
-    verify_model_folder(dst)
+    ModelFolder.open(dst)
     model = mlflow.pyfunc.load_model(f"models:/defrag-{kind}@champion")
     what = "an ensemble of 2 models" if kind == "ensemble" else "a captioner"
     with pytest.raises(MlflowException, match=f"this model is {what}.*: its pyfunc neither"):
@@ -243,7 +232,7 @@ def test_download_gives_the_plain_model_folder(store: Store, tmp_path: Path, uri
     assert sorted(p.name for p in dst.iterdir()) == sorted(
         p.name for p in store.model_dir.iterdir())
     assert (dst / CHECKSUMS).read_bytes() == (store.model_dir / CHECKSUMS).read_bytes()
-    load_model_folder(dst)
+    ModelFolder.open(dst).load_model()
     assert [p.name for p in tmp_path.iterdir()] == ["dl"]  # no staging left
 
 
@@ -351,7 +340,8 @@ def test_only_the_operators_indexes_are_opened_once_each(store: Store, index: Pa
     (root / "notes.txt").write_text("not an index\n")
     (root / "empty").mkdir()
     served = ServedIndexes.configure({"indexes": {"photos": str(root / "a")}},
-                                     {"DEFRAG_INDEX_ROOT": str(root)}, store.model_dir)
+                                     {"DEFRAG_INDEX_ROOT": str(root)},
+                                     ModelFolder.open(store.model_dir))
     spellings = ["photos", "a", "a/", "./a", "a//", str(root / "a"), f"{root}//a",
                  *(f"{'./' * n}a" for n in range(1, 20)), *(f"b/../a{'/' * n}" for n in range(14))]
     assert len(spellings) == 40
@@ -371,7 +361,7 @@ def test_only_the_operators_indexes_are_opened_once_each(store: Store, index: Pa
     served.open("d")  # the least recently used, a, is closed
     assert served.open("photos") is not first
     assert list(served.cache) == [(root / "d").resolve(), (root / "a").resolve()]
-    nothing = ServedIndexes.configure({}, {}, store.model_dir)
+    nothing = ServedIndexes.configure({}, {}, ModelFolder.open(store.model_dir))
     with pytest.raises(RetrievalError, match="this server searches no index: its operator "
                                              "names them"):
         nothing.open(str(index))

@@ -1,4 +1,5 @@
-"""trainer/store/registry.py: the model folder (round trip, refusals), registration on a real sqlite
+"""trainer/store/model_folder.py and registry.py: the model folder (round trip, refusals, opened
+once), registration on a real sqlite
 MLflow store, download by alias and version, the download command in a subprocess, and ensemble
 folders (members verified, registered and downloaded whole)."""
 
@@ -20,23 +21,23 @@ from defrag.vocab import Vocabulary
 from tests import DEFRAG
 from trainer.config import Config, ModelConfig
 from trainer.model import DeFragModel
-from trainer.store.registry import (
+from trainer.store.model_folder import (
     CHECKSUMS,
     CONFIG,
     METRICS,
     VOCAB,
     WEIGHTS,
+    ModelFolder,
     ModelFolderError,
+    save_ensemble,
+    save_model_folder,
+)
+from trainer.store.registry import (
     download_model,
-    ensemble_members,
-    load_model_folder,
     main,
     pyfunc_folder,
     register_from_run,
     register_model,
-    save_ensemble,
-    save_model_folder,
-    verify_model_folder,
 )
 from trainer.store.tracking import Tracker
 
@@ -103,9 +104,10 @@ def test_folder_round_trip_without_pickle(saved: tuple[Path, DeFragModel, Config
 
     for module, name in [(torch, "load"), (pickle, "load"), (pickle, "loads")]:
         monkeypatch.setattr(module, name, no_unpickling)
-    loaded, loaded_config, vocab = load_model_folder(folder)
+    opened = ModelFolder.open(folder)
+    loaded = opened.load_model()
     assert_same_weights(loaded, model)
-    assert loaded_config == config and vocab == VOCAB_WORDS
+    assert opened.config == config and opened.vocab == VOCAB_WORDS
     assert not loaded.training
     assert json.loads((folder / METRICS).read_text()) == {"rsum": 42.0}
     fragments = torch.tensor([[0, 2, 3], [1, 2, 1]])
@@ -119,7 +121,7 @@ def test_save_replaces_an_older_folder(tmp_path: Path) -> None:
     save_model_folder(folder, model, config, VOCAB_WORDS)
     assert [p.name for p in tmp_path.iterdir()] == ["best"]  # nothing staged or retired left
     assert not (folder / METRICS).exists()
-    assert_same_weights(load_model_folder(folder)[0], model)
+    assert_same_weights(ModelFolder.open(folder).load_model(), model)
 
 
 def test_shared_and_strided_tensors_are_saved(tmp_path: Path) -> None:
@@ -127,7 +129,7 @@ def test_shared_and_strided_tensors_are_saved(tmp_path: Path) -> None:
     tied.weight = torch.nn.Parameter(torch.randn(3, 4))
     tied.register_buffer("transposed", tied.weight.detach().T)  # a view: shared, not contiguous
     folder = save_model_folder(tmp_path / "tied", tied, Config(), VOCAB_WORDS)
-    verify_model_folder(folder)
+    ModelFolder.open(folder)
     state = load_file(folder / WEIGHTS)
     assert torch.equal(state["weight"], tied.weight) and torch.equal(state["transposed"],
                                                                      tied.weight.T)
@@ -139,20 +141,20 @@ def test_altered_file_is_refused(copy_of_saved: Path, name: str) -> None:
     data[len(data) // 2] ^= 0x01  # one bit
     (copy_of_saved / name).write_bytes(bytes(data))
     with pytest.raises(ModelFolderError, match=f"{name} does not match its checksum"):
-        load_model_folder(copy_of_saved)
+        ModelFolder.open(copy_of_saved)
 
 
 @pytest.mark.parametrize("name", [WEIGHTS, CONFIG, VOCAB, CHECKSUMS])
 def test_missing_file_is_refused(copy_of_saved: Path, name: str) -> None:
     (copy_of_saved / name).unlink()
     with pytest.raises(ModelFolderError, match=f"{name} is missing"):
-        load_model_folder(copy_of_saved)
+        ModelFolder.open(copy_of_saved)
 
 
 def test_unlisted_file_is_refused(copy_of_saved: Path) -> None:
     (copy_of_saved / "model.pkl").write_bytes(pickle.dumps({"x": 1}))
     with pytest.raises(ModelFolderError, match=r"not listed in checksums.json: \['model.pkl'\]"):
-        verify_model_folder(copy_of_saved)
+        ModelFolder.open(copy_of_saved)
 
 
 @pytest.mark.parametrize("change", ["drop", "add", "reshape"])
@@ -169,8 +171,9 @@ def test_weights_that_do_not_fit_the_model_are_refused(copy_of_saved: Path, chan
         expected = r"other shapes \['image.projection.bias'\]"
     save_file(state, copy_of_saved / WEIGHTS)
     rewrite_checksums(copy_of_saved)
+    opened = ModelFolder.open(copy_of_saved)  # intact files: the model refuses them
     with pytest.raises(ModelFolderError, match=f"{WEIGHTS} does not fit .*{expected}"):
-        load_model_folder(copy_of_saved)
+        opened.load_model()
 
 
 # ---------------------------------------------------------------- the registry
@@ -225,7 +228,7 @@ def test_download_by_alias_and_version(store: tuple[Tracker, DeFragModel],
     dst = download_model(uri, tmp_path / "downloads" / "defrag", tracker.tracking_uri)
     assert dst == tmp_path / "downloads" / "defrag"
     assert [p.name for p in dst.parent.iterdir()] == ["defrag"]  # no staging left
-    model, _, _ = load_model_folder(dst)
+    model = ModelFolder.open(dst).load_model()
     assert_same_weights(model, saved[1] if uri.endswith("/1") else second)
 
 
@@ -298,9 +301,9 @@ def test_download_command_end_to_end(store: tuple[Tracker, DeFragModel], tmp_pat
          "--dst", str(dst)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(dst)
-    model, config, _ = load_model_folder(dst)
-    assert_same_weights(model, second)
-    assert config.seed == 3
+    opened = ModelFolder.open(dst)
+    assert_same_weights(opened.load_model(), second)
+    assert opened.config.seed == 3
 
 
 def test_register_command_registers_a_saved_folder_later(
@@ -313,9 +316,8 @@ def test_register_command_registers_a_saved_folder_later(
     main(["register", str(saved[0]), "--run-id", tracker.run_id,
           "--tracking-uri", tracker.tracking_uri])
     assert capsys.readouterr().out.strip() == "models:/defrag/1"
-    model, _, _ = load_model_folder(download_model("models:/defrag@champion", tmp_path / "dl",
-                                                   tracker.tracking_uri))
-    assert_same_weights(model, saved[1])
+    dst = download_model("models:/defrag@champion", tmp_path / "dl", tracker.tracking_uri)
+    assert_same_weights(ModelFolder.open(dst).load_model(), saved[1])
 
 
 # ---------------------------------------------------------------- ensembles
@@ -333,15 +335,16 @@ def ensemble(saved: tuple[Path, DeFragModel, Config], tmp_path: Path) -> tuple[P
 def test_ensemble_folder_holds_verified_copies_of_its_members(
         ensemble: tuple[Path, Path], saved: tuple[Path, DeFragModel, Config]) -> None:
     folder, second = ensemble
-    verify_model_folder(folder)
-    members = [member for member, _ in ensemble_members(folder)]
-    assert [m.name for m in members] == ["member-0", "member-1"]
-    assert_same_weights(load_model_folder(members[0])[0], saved[1])
-    assert_same_weights(load_model_folder(members[1])[0], load_model_folder(second)[0])
-    assert [weight for _, weight in ensemble_members(folder)] == [0.5, 0.5]
-    assert ensemble_members(saved[0]) == [(saved[0], 1.0)]  # one model: itself, weight 1
+    opened = ModelFolder.open(folder)
+    members = [member for member, _ in opened.members]
+    assert [m.path.name for m in members] == ["member-0", "member-1"]
+    assert_same_weights(members[0].load_model(), saved[1])
+    assert_same_weights(members[1].load_model(), ModelFolder.open(second).load_model())
+    assert [weight for _, weight in opened.members] == [0.5, 0.5]
+    one = ModelFolder.open(saved[0])
+    assert one.members == [(one, 1.0)]  # one model: itself, weight 1
     with pytest.raises(ModelFolderError, match="is an ensemble of 2 models, not one"):
-        load_model_folder(folder)
+        opened.load_model()
 
 
 def test_damaged_ensembles_are_refused(ensemble: tuple[Path, Path],
@@ -350,17 +353,14 @@ def test_damaged_ensembles_are_refused(ensemble: tuple[Path, Path],
     member = folder / "member-1"
     (member / VOCAB).write_bytes((member / VOCAB).read_bytes().replace(b"dog", b"cat"))
     with pytest.raises(ModelFolderError, match=f"member-1/{VOCAB} does not match its checksum"):
-        verify_model_folder(folder)
-    (_, _), (damaged, _) = ensemble_members(folder)  # evaluate and retrieve load each member
-    with pytest.raises(ModelFolderError, match=f"member-1/{VOCAB} does not match its checksum"):
-        load_model_folder(damaged)
+        ModelFolder.open(folder)
     rewrite_checksums(member)  # a member swapped for another consistent folder
     with pytest.raises(ModelFolderError, match="member-1 is not the member ensemble.json records"):
-        verify_model_folder(folder)
+        ModelFolder.open(folder)
     member.rename(folder / "member-9")
     with pytest.raises(ModelFolderError, match=r"holds the folders \['member-0', 'member-9'\] "
                                                r"but ensemble.json lists"):
-        verify_model_folder(folder)
+        ModelFolder.open(folder)
     (folder / "member-9").rename(member)
     main(["ensemble", str(saved[0]), str(second), "--out", str(folder)])  # replaced, intact
     with pytest.raises(ModelFolderError, match="is an ensemble itself"):
@@ -390,11 +390,12 @@ def test_ensemble_is_registered_and_downloaded_whole(ensemble: tuple[Path, Path]
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
     monkeypatch.chdir(tmp_path / "store")  # nothing may land in the working folder
-    main(["ensemble", *(str(m) for m, _ in ensemble_members(folder)), "--out",
+    main(["ensemble", *(str(m.path) for m, _ in ModelFolder.open(folder).members), "--out",
           str(tmp_path / "again"), "--name", "defrag-ensemble", "--tracking-uri", uri])
     assert capsys.readouterr().out.split()[-1] == "models:/defrag-ensemble/1"
     dst = download_model("models:/defrag-ensemble@champion", tmp_path / "dl", uri)
-    assert [m.name for m, _ in ensemble_members(dst)] == ["member-0", "member-1"]
-    for (got, _), (want, _) in zip(ensemble_members(dst), ensemble_members(folder), strict=True):
-        assert (got / CHECKSUMS).read_bytes() == (want / CHECKSUMS).read_bytes()
+    downloaded = ModelFolder.open(dst).members
+    assert [m.path.name for m, _ in downloaded] == ["member-0", "member-1"]
+    for (got, _), (want, _) in zip(downloaded, ModelFolder.open(folder).members, strict=True):
+        assert got.checksums_key == want.checksums_key
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["mlartifacts", "mlflow.db"]

@@ -17,8 +17,8 @@ from mlflow import MlflowClient
 
 from tests.small_training import small_config
 from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
-from trainer.store.registry import download_model
-from trainer.store.tracking import RegistrationFailed, flatten
+from trainer.store.registry import RegistrationFailed, download_model
+from trainer.store.tracking import flatten
 from trainer.training.checkpoint import TrainState, latest_checkpoint, resume_changes
 from trainer.training.distributed import DistContext
 

@@ -33,6 +33,7 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import COLOURS, generate
 from trainer.config import Config, DataConfig, ModelConfig, ObjectiveConfig
 from trainer.data.eval_set import load_eval_set
+from trainer.data.shardset import training_featurizer
 from trainer.evaluate import embed_eval_set, retrieval_metrics
 from trainer.model import DeFragModel, ImageEncoder
 from trainer.objectives import owner_means, score_matrix
@@ -40,12 +41,7 @@ from trainer.pictures import LOWERS, RAISES, best_boxes, fragment_labels
 from trainer.search.embedding_cache import CACHE_DIR
 from trainer.search.explain import explain_words
 from trainer.search.fragment_set import rank
-from trainer.store.registry import (
-    ensemble_members,
-    load_model_folder,
-    save_ensemble,
-    save_model_folder,
-)
+from trainer.store.model_folder import ModelFolder, save_ensemble, save_model_folder
 
 NUM_VAL = 4
 
@@ -81,7 +77,8 @@ class World:
     def save_model(self, folder: Path, seed: int, cfg: Config | None = None) -> Path:
         cfg = cfg or self.cfg
         model = DeFragModel.from_config(cfg.model, self.vocab, seed=seed)
-        return save_model_folder(folder, model, cfg, self.vocab)
+        return save_model_folder(folder, model, cfg, self.vocab,
+                                 featurizer=training_featurizer(cfg.data))
 
 
 def whole_sentence(cfg: Config, encoder: str, score: str) -> Config:
@@ -135,8 +132,10 @@ def info_logs(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_queries_score_like_the_evaluation(world: World, images: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    model, cfg, vocab = load_model_folder(world.model_dir)
-    embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+    opened = ModelFolder.open(world.model_dir)
+    cfg = opened.config
+    embedded = embed_eval_set(opened.load_model(),
+                              load_eval_set(cfg, opened.vocab, "val", rank=0, world_size=1))
     assert embedded.captions == world.captions
     scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth)
@@ -169,9 +168,10 @@ def test_an_ensemble_scores_with_its_members_mean(world: World, images: Path, tm
     folder = save_ensemble(tmp_path / "ensemble", [world.model_dir, world.linear_dir],
                            weights=[0.25, 0.75])
     member_scores = []
-    for member, _ in ensemble_members(folder):
-        model, cfg, vocab = load_model_folder(member)
-        embedded = embed_eval_set(model, load_eval_set(cfg, vocab, "val", rank=0, world_size=1))
+    for member, _ in ModelFolder.open(folder).members:
+        cfg = member.config
+        embedded = embed_eval_set(member.load_model(),
+                                  load_eval_set(cfg, member.vocab, "val", rank=0, world_size=1))
         member_scores.append(score_matrix(embedded.v, embedded.box_image, embedded.s,
                                           embedded.fragment_sentence, embedded.num_images,
                                           embedded.num_sentences, cfg.objective.smooth,
@@ -253,8 +253,9 @@ def test_model_folder_remembers_the_training_parser_and_boxes(world: World,
     saved = json.loads((world.model_dir / "featurizer.json").read_text())
     assert saved == {"parser": manifest["parser"], "box_source": manifest["box_source"]}
     elsewhere = Config(data=DataConfig(shards=str(tmp_path / "not-here")))
-    assert embedder._training_featurizer(world.model_dir, elsewhere) == saved
-    assert embedder._training_featurizer(tmp_path, elsewhere) is None
+    assert embedder._training_featurizer(ModelFolder.open(world.model_dir), elsewhere) == saved
+    bare = save_model_folder(tmp_path / "bare", torch.nn.Linear(2, 2), elsewhere, world.vocab)
+    assert embedder._training_featurizer(ModelFolder.open(bare), elsewhere) is None
 
 
 # ---------------------------------------------------------------- the index cache
@@ -355,12 +356,13 @@ def test_explain_draws_each_fragment_with_its_best_box(world: World, images: Pat
     with Image.open(out) as picture:
         assert picture.format == "PNG" and picture.width > 400
 
-    model, cfg, vocab = load_model_folder(world.model_dir)
+    opened = ModelFolder.open(world.model_dir)
+    model, cfg, vocab = opened.load_model(), opened.config, opened.vocab
     caption = make_parser("spacy").parse([query])[0].caption(query)
     fragments = vocab.encode(caption, cfg.model.fragment_mode)
     labels = fragment_labels(fragments, vocab, cfg.model.fragment_mode)
-    image, boxes = embedder.read_image(images / top, embedder.load_embedder(
-        world.model_dir, "fullframe", None, "spacy"))
+    image, boxes = embedder.read_image(images / top, embedder.Embedder.from_folder(
+        opened, "fullframe", None, "spacy"))
     with torch.no_grad():
         v = model.image(torch.tensor(image.pixels).permute(2, 0, 1)[None].float() / 255,
                         torch.from_numpy(image.boxes), torch.zeros(1, dtype=torch.long))
@@ -412,11 +414,12 @@ def test_explain_lists_each_words_contribution(world: World, images: Path, tmp_p
         colours = {c for _, c in picture.convert("RGB").getcolors(maxcolors=1 << 20)}
         assert RAISES in colours or LOWERS in colours  # the bars
 
-    model, _, vocab = load_model_folder(world.linear_dir)
+    linear = ModelFolder.open(world.linear_dir)
+    model, vocab = linear.load_model(), linear.vocab
     tokens = make_parser("spacy").parse([query])[0].tokens
     assert [w["word"] for w in explained["words"]] == tokens and tokens[-1] == "zebras"
     assert report["queries"][0]["words"] == sum(w in vocab.word_index for w in tokens)
-    inputs = embedder.load_embedder(world.linear_dir, None, None, None)
+    inputs = embedder.Embedder.from_folder(linear)
     image, _ = embedder.embed_images([images / top["image"]], inputs, skip_bad=False)
     x = F.normalize(owner_means(image.embeddings, image.owner, 1))[0]
     with torch.no_grad():
@@ -444,7 +447,7 @@ def test_a_left_out_word_is_read_as_if_deleted(world: World, images: Path, tmp_p
     the parse with that word deleted (its children hung on its head)."""
     folder = world.save_model(tmp_path / encoder, seed=0, cfg=whole_sentence(world.cfg, encoder,
                                                                              score))
-    inputs = embedder.load_embedder(folder, None, None, None)
+    inputs = embedder.Embedder.from_folder(ModelFolder.open(folder))
     image, _ = embedder.embed_images([images / world.names[0]], inputs, skip_bad=False)
     sentence = world.captions[7]
     picture, words = explain_words(images / world.names[0], image, sentence, inputs)
@@ -485,8 +488,8 @@ def test_minus_and_plus_rank_the_images_by_eq_15(world: World, images: Path, tmp
     assert result["query"] == f"{query} - {minus!r} + {plus!r}"
     assert (result["minus"], result["plus"], result["image"]) == ([minus], [plus], str(query))
 
-    model, _, vocab = load_model_folder(world.linear_dir)
-    inputs = embedder.load_embedder(world.linear_dir, None, None, None)
+    linear = ModelFolder.open(world.linear_dir)
+    model, vocab, inputs = linear.load_model(), linear.vocab, embedder.Embedder.from_folder(linear)
     embedded, _ = embedder.embed_images([images / n for n in world.names], inputs,
                                         skip_bad=False)
     x = F.normalize(owner_means(embedded.embeddings, embedded.owner, NUM_VAL))

@@ -27,7 +27,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.test_train_e2e import tiny_config
-from trainer.store.registry import verify_model_folder
+from trainer.store.model_folder import ModelFolder
 from trainer.training.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.slow
@@ -213,7 +213,7 @@ def test_job_stopped_by_signal_requeues_resumes_and_completes(slurm, tmp_path, s
 
     state = load_state(latest_checkpoint(run_dir))
     assert state.epoch == 2
-    verify_model_folder(run_dir / "best")
+    ModelFolder.open(run_dir / "best")
     client = MlflowClient(tracking_uri)
     [run] = client.search_runs([client.get_experiment_by_name("defrag").experiment_id])
     assert run.info.status == "FINISHED"  # the requeued job resumed the same run

@@ -28,15 +28,10 @@ from PIL import Image
 from defrag.vocab import Vocabulary
 from tests import DEFRAG
 from trainer.config import Config
-from trainer.store.registry import (
-    download_model,
-    register_from_run,
-    save_model_folder,
-    verify_model_folder,
-)
+from trainer.store.model_folder import ModelFolder, save_model_folder
+from trainer.store.registry import RegistrationFailed, download_model, register_from_run
 from trainer.store.tracking import (
     HTTP_DEFAULTS,
-    RegistrationFailed,
     Tracker,
     TrackingUnavailable,
     flatten,
@@ -346,7 +341,7 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
                                Vocabulary(words=["dog"], relations=["nsubj"]))
     version = register_from_run(tracker, folder)
-    verify_model_folder(download_model(f"models:/defrag/{version}", tmp_path / "dl", uri))
+    ModelFolder.open(download_model(f"models:/defrag/{version}", tmp_path / "dl", uri))
     mlflow_server.stop()
 
     caplog.set_level(logging.WARNING, logger="trainer.store.tracking")
@@ -496,7 +491,7 @@ def test_registration_failing_at_the_end_is_reported_and_can_be_done_later(
     assert [a.path for a in client.list_artifacts(run_id, "alignments")] == [
         "alignments/epoch-000.png", "alignments/epoch-001.png"]
 
-    done = subprocess.run([sys.executable, *shlex.split(later)[1:]], env=env,
+    done = subprocess.run([DEFRAG, *shlex.split(later)[1:]], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     version = client.get_registered_model("defrag").aliases["champion"]

@@ -35,7 +35,7 @@ from trainer.data.reader import DataProblem
 from trainer.data.shardset import is_folder, training_manifest
 from trainer.model import DeFragModel
 from trainer.objectives import score_matrix
-from trainer.store.registry import FEATURIZER, ensemble_members, load_model_folder
+from trainer.store.model_folder import ModelFolder
 
 RECALL_AT = (1, 5, 10)
 
@@ -282,15 +282,15 @@ def _evaluate(args: argparse.Namespace) -> None:
     """The work of `main`: load the model (each member of an ensemble) and the split, evaluate,
     print."""
     split = args.split or _split_of_list(args.shards)
-    members, weights = zip(*ensemble_members(args.model), strict=True)
+    members, weights = zip(*ModelFolder.open(args.model).members, strict=True)
     total, first = None, None
     # members with one CNN share its features (a cache computes them one image at a time: only
     # an ensemble gains)
     caches: dict[str, FeatureCache] = {}
     for member, weight in zip(members, weights, strict=True):
         if len(members) > 1:
-            print(f"member {member.name} of {len(members)}", file=sys.stderr)
-        model, cfg, vocab = load_model_folder(member)
+            print(f"member {member.path.name} of {len(members)}", file=sys.stderr)
+        model, cfg, vocab = member.load_model(), member.config, member.vocab
         model.to(args.device)
         cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
                                        manifest=args.manifest, workers=args.workers)
@@ -304,8 +304,8 @@ def _evaluate(args: argparse.Namespace) -> None:
         if first is None:
             total, first = scores.mul_(weight), embedded  # in place: one matrix held
         elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
-            raise IncompleteSplit(f"{member} read other images or captions than "
-                                  f"{members[0]} from {args.shards}: an ensemble's members "
+            raise IncompleteSplit(f"{member.path} read other images or captions than "
+                                  f"{members[0].path} from {args.shards}: an ensemble's members "
                                   "must see the same pairs")
         else:
             total.add_(scores, alpha=weight)
@@ -326,14 +326,13 @@ def _evaluate(args: argparse.Namespace) -> None:
                       "shards": redact(args.shards), "split": split, **metrics}))
 
 
-def _warn_other_boxes(model_dir: Path, cfg: Config) -> None:
+def _warn_other_boxes(model: ModelFolder, cfg: Config) -> None:
     """Say so when the shards' boxes come from another source than the model's training boxes
     (e.g. region shards for a whole-image model): its figures then measure other inputs."""
-    saved = model_dir / FEATURIZER
-    trained = json.loads(saved.read_text()).get("box_source") if saved.is_file() else None
+    trained = (model.featurizer or {}).get("box_source")
     boxes = training_manifest(cfg.data).get("box_source")
     if trained and boxes and trained["name"] != boxes["name"]:
-        print(f"warning: {model_dir} was trained on {trained['name']!r} boxes but these shards "
+        print(f"warning: {model.path} was trained on {trained['name']!r} boxes but these shards "
               f"have {boxes['name']!r} boxes; featurize them with --boxes {trained['name']} "
               "to measure the model on the inputs it was trained on", file=sys.stderr)
 

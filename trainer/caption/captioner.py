@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from spacy.lang.en.stop_words import STOP_WORDS
 
-from defrag.files import fingerprint
 from trainer.caption.data import (
     END_TAG,
     NUM_TAGS,
@@ -51,18 +50,18 @@ from trainer.caption.scnlm import SCNLM
 from trainer.caption.trigram import TrigramLM
 from trainer.config import Config
 from trainer.objectives import owner_means
-from trainer.search.embedder import load_embedder
-from trainer.store.registry import (
+from trainer.search.embedder import Embedder
+from trainer.store.model_folder import (
+    ADVICE,
     CAPTIONER,
-    CAPTIONER_ENCODER,
     METRICS,
     MODEL_FORMAT,
+    ModelFolder,
     ModelFolderError,
-    captioner_encoder,
-    verify_model_folder,
     write_folder,
 )
 
+ENCODER = "encoder"  # the encoder's model folder in a captioner folder
 SCNLM_WEIGHTS = "scnlm.safetensors"
 SENTENCES, SENTENCE_VECTORS = "sentences.json", "sentence_vectors.safetensors"
 LANGUAGE_MODEL = "language_model.json"
@@ -83,19 +82,18 @@ class CaptionerParts:
 
 def save_captioner(folder: str | Path, encoder_dir: Path, scnlm: SCNLM, cfg: Config,
                    parts: CaptionerParts, metrics: dict[str, Any] | None = None) -> Path:
-    """Write a captioner folder atomically (registry.write_folder): the encoder folder copied
+    """Write a captioner folder atomically (model_folder.write_folder): the encoder folder copied
     in, the SC-NLM, the training captions and their vectors, the trigram model."""
-    verify_model_folder(encoder_dir)
+    encoder = ModelFolder.open(encoder_dir)
 
     def fill(staging: Path) -> None:
-        shutil.copytree(encoder_dir, staging / CAPTIONER_ENCODER)
+        shutil.copytree(encoder_dir, staging / ENCODER)
         state = {k: v.detach().cpu().contiguous().clone() for k, v in scnlm.state_dict().items()}
         save_file(state, staging / SCNLM_WEIGHTS)
         record = {"format": MODEL_FORMAT, "scnlm": scnlm.sizes(), "tags": list(TAGS),
                   "caption": {k: v for k, v in asdict(cfg.caption).items() if k != "encoder"},
                   "encoder_source": str(encoder_dir),
-                  "encoder_checksums_sha256": fingerprint(encoder_dir / "checksums.json")[
-                      "sha256"]}
+                  "encoder_checksums_sha256": encoder.checksums_key}
         (staging / CAPTIONER).write_text(json.dumps(record, indent=2))
         (staging / SENTENCES).write_text(json.dumps(
             [{"text": c.text, "tokens": c.tokens, "words": c.words, "tags": c.tags}
@@ -106,6 +104,29 @@ def save_captioner(folder: str | Path, encoder_dir: Path, scnlm: SCNLM, cfg: Con
             (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
 
     return write_folder(Path(folder), fill)
+
+
+def open_captioner(folder: Path) -> tuple[dict[str, Any], ModelFolder]:
+    """A captioner folder verified whole: its files and encoder (ModelFolder.open), then what
+    `captioner.json` records: the encoder is the one it names, and the only folder there. Its
+    record and its encoder."""
+    opened = ModelFolder.open(folder)
+    if not opened.is_captioner:
+        raise ModelFolderError(f"{folder} is not a captioner folder (no {CAPTIONER}): train one "
+                               "with trainer.caption.train")
+    if sorted(opened.parts) != [ENCODER]:
+        raise ModelFolderError(f"{folder} holds the folders {sorted(opened.parts)}; a captioner "
+                               f"holds only {ENCODER}/; {ADVICE}")
+    encoder = opened.parts[ENCODER]
+    try:
+        record = json.loads((folder / CAPTIONER).read_text())
+        recorded = record["encoder_checksums_sha256"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelFolderError(f"{folder / CAPTIONER} is malformed ({err!r}); {ADVICE}") from err
+    if encoder.checksums_key != recorded:
+        raise ModelFolderError(f"{encoder.path} is not the encoder {CAPTIONER} records (other "
+                               f"checksums); {ADVICE}")
+    return record, encoder
 
 
 @dataclass
@@ -131,15 +152,14 @@ class Captioner:
 
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
-        encoder = captioner_encoder(folder)  # the captioner's own files checked
+        record, encoder = open_captioner(folder)
         try:
-            record = json.loads((folder / CAPTIONER).read_text())
             self.settings = Config.from_dict({"caption": record["caption"]}).caption
             sizes = record["scnlm"]
         except (ValueError, KeyError, TypeError) as err:
             raise ModelFolderError(f"{folder / CAPTIONER} is malformed ({err!r})") from err
-        # the encoder (verified as it loads) with the featurizer steps of its training shards
-        self.embedder = load_embedder(encoder, None, None, None)
+        # the encoder with the featurizer steps of its training shards
+        self.embedder = Embedder.from_folder(encoder)
         self.model, self.vocab = self.embedder.model, self.embedder.vocab
         self.scnlm = SCNLM(**sizes)
         self.scnlm.load_state_dict(load_file(folder / SCNLM_WEIGHTS))

@@ -39,7 +39,7 @@ from trainer.caption.scnlm import SCNLM
 from trainer.config import Config, ConfigError
 from trainer.data.reader import ReadOptions
 from trainer.data.shardset import train_split, val_split
-from trainer.store.registry import load_model_folder
+from trainer.store.model_folder import ModelFolder
 from trainer.store.tracking import Tracker
 from trainer.training.checkpoint import TrainState, save_checkpoint
 from trainer.training.distributed import DistContext
@@ -95,7 +95,8 @@ class CaptionTrainer:
             raise ConfigError("caption.encoder is not set: give the model folder of a trained "
                               "Kiros encoder (e.g. runs/table2/kiros_lstm_tuned/best)")
         self.encoder_dir = Path(cfg.caption.encoder)
-        encoder, _, self.vocab = load_model_folder(self.encoder_dir)
+        opened = ModelFolder.open(self.encoder_dir)
+        encoder, self.vocab = opened.load_model(), opened.vocab
         if not encoder.sentence.whole_sentence:
             raise ConfigError(f"caption.encoder {self.encoder_dir} has the fragments encoder; "
                               f"the SC-NLM is conditioned on one vector per sentence: train a "

@@ -243,3 +243,15 @@ def training_manifest(data: DataConfig) -> dict[str, Any]:
     """The manifest of the training shards."""
     return read_manifest(manifest_url(data.shards, data.manifest), data.io_timeout,
                          data.io_retries)
+
+
+def training_featurizer(data: DataConfig) -> dict[str, Any] | None:
+    """The parser and box source of the training shards, from their manifest (None when the
+    manifest is not on this machine): what a model folder records as its featurizer."""
+    if data.shards is None:
+        return None
+    try:
+        manifest = training_manifest(data)
+    except (ShardError, ValueError):
+        return None
+    return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}

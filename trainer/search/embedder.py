@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -27,7 +26,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from defrag.files import CHECKSUMS
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.vocab import Vocabulary
 from featurizer.boxes import BoxSource, rebuild_box_source
@@ -38,9 +36,10 @@ from featurizer.records import TOO_LARGE
 from trainer.batch import CaptionedImage, owners, stack_pixels, tree_fields, unit_float
 from trainer.config import Config
 from trainer.data.reader import BadSample, SampleDecoder
+from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
 from trainer.search.fragment_set import FragmentSet
-from trainer.store.registry import FEATURIZER, load_model_folder, training_featurizer
+from trainer.store.model_folder import FEATURIZER, ModelFolder
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +83,24 @@ class Embedder:
         decoder = SampleDecoder.from_config(self.cfg, self.vocab)
         return dataclasses.replace(decoder, max_pixels=self.max_image_pixels)
 
+    @classmethod
+    def from_folder(cls, folder: ModelFolder, boxes: str | None = None,
+                    detector_weights: str | None = None, parser: str | None = None) -> Embedder:
+        """The opened model folder's model, with its box source and parser chosen (see the
+        module docstring)."""
+        cfg = folder.config
+        manifest = _training_featurizer(folder, cfg)
+        return cls(folder.load_model(), cfg, folder.vocab, folder.checksums_key,
+                   _choose_boxes(cfg, manifest, boxes, detector_weights),
+                   _choose_parser(manifest, parser))
 
-def load_embedder(model_dir: Path, boxes: str | None, detector_weights: str | None,
-                  parser: str | None) -> Embedder:
-    """Load the model folder and choose its box source and parser (see the module docstring)."""
-    model, cfg, vocab = load_model_folder(model_dir)
-    model_key = hashlib.sha256((model_dir / CHECKSUMS).read_bytes()).hexdigest()
-    manifest = _training_featurizer(model_dir, cfg)
-    return Embedder(model, cfg, vocab, model_key,
-                    _choose_boxes(cfg, manifest, boxes, detector_weights),
-                    _choose_parser(manifest, parser))
 
-
-def _training_featurizer(model_dir: Path, cfg: Config) -> dict | None:
+def _training_featurizer(folder: ModelFolder, cfg: Config) -> dict | None:
     """Parser and box source of the model's training shards: from the model folder (written at
     save time), else from the shards' manifest when this machine has it."""
-    saved = model_dir / FEATURIZER
-    if saved.is_file():
-        return json.loads(saved.read_text())
-    found = training_featurizer(cfg)
+    if folder.featurizer is not None:
+        return folder.featurizer
+    found = training_featurizer(cfg.data)
     if found is None:
         log.info("neither the model folder (%s) nor the manifest of its training shards (%s) is "
                  "here: box source and parser are not known from training", FEATURIZER,

@@ -51,12 +51,11 @@ from trainer.search.embedder import (
     RetrievalError,
     embed_images,
     embed_parsed,
-    load_embedder,
     parse_captions,
 )
 from trainer.search.explain import explain, explain_words
 from trainer.search.fragment_set import FragmentSet, rank, top_k
-from trainer.store.registry import ensemble_members, is_ensemble
+from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
@@ -243,14 +242,14 @@ class Collection:
                            torch.from_numpy(np.array(self.detail[rows])))
 
 
-def load_one_model(model: Path, boxes: str | None, detector_weights: str | None,
+def load_one_model(model: ModelFolder, boxes: str | None, detector_weights: str | None,
                    parser: str | None) -> Embedder:
-    """`load_embedder`, with a clear error for an ensemble folder (one model per index)."""
-    if is_ensemble(model):
-        members = ", ".join(str(folder) for folder, _ in ensemble_members(model))
-        raise RetrievalError(f"{model} is an ensemble; an index holds one model's fragments: "
-                             f"index one of its members ({members})")
-    return load_embedder(model, boxes, detector_weights, parser)
+    """`Embedder.from_folder`, with a clear error for an ensemble folder (one model per index)."""
+    if model.is_ensemble:
+        members = ", ".join(str(member.path) for member, _ in model.members)
+        raise RetrievalError(f"{model.path} is an ensemble; an index holds one model's "
+                             f"fragments: index one of its members ({members})")
+    return Embedder.from_folder(model, boxes, detector_weights, parser)
 
 
 # ---------------------------------------------------------------- searching
@@ -274,11 +273,11 @@ class SearchIndex:
         self._parse = threading.Lock()  # the parser is not known to be thread-safe
 
     @classmethod
-    def open(cls, folder: Path, model: Path | None = None,
+    def open(cls, folder: Path, model: Path | ModelFolder | None = None,
              max_image_pixels: int = MAX_IMAGE_PIXELS) -> SearchIndex:
-        """The index in `folder`, with `model` (default: the model folder that built it, as
-        recorded); IndexMismatch when the model is not that one. Query images over
-        `max_image_pixels` are refused before decoding."""
+        """The index in `folder`, with `model` (a model folder, or one opened already; default:
+        the model folder that built it, as recorded); IndexMismatch when the model is not that
+        one. Query images over `max_image_pixels` are refused before decoding."""
         folder = Path(folder)
         try:
             meta = json.loads((folder / "index.json").read_text())
@@ -288,11 +287,13 @@ class SearchIndex:
         if meta.get("format") != INDEX_FORMAT:
             raise RetrievalError(f"index {folder} has format {meta.get('format')!r}, this code "
                                  f"reads {INDEX_FORMAT}: rebuild it with defrag index")
-        model = Path(model or meta["model_dir"])
+        if not isinstance(model, ModelFolder):
+            model = ModelFolder.open(model or meta["model_dir"])
         embedder = load_one_model(model, None, None, meta["parser"])
         if embedder.model_key != meta["model"]:
             raise IndexMismatch(f"index {folder} was built with the model whose checksums key is "
-                                f"{meta['model'][:16]} ({meta['model_dir']}), not with {model} "
+                                f"{meta['model'][:16]} ({meta['model_dir']}), not with "
+                                f"{model.path} "
                                 f"({embedder.model_key[:16]}): rebuild the index with this "
                                 "model, or open it with its own")
         if meta.get("decoder") != DECODER_VERSION:  # indexes before the version have none
@@ -301,7 +302,8 @@ class SearchIndex:
                         "read differently): rebuild it with defrag index", folder,
                         meta.get("decoder", 1), DECODER_VERSION)
         return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"],
-                                                     max_image_pixels=max_image_pixels), model)
+                                                     max_image_pixels=max_image_pixels),
+                   model.path)
 
     def warm_up(self) -> None:
         """Load the parser now (seconds), not at the first query."""

@@ -49,6 +49,7 @@ from trainer.search.embedder import (
 from trainer.search.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
 from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import INDEX_FORMAT, load_one_model, write_collection
+from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,10 @@ class Unit:
 _WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
 
 
-def _start_worker(model: Path, boxes: dict, parser: str, out: Path, image_folder: Path | None,
-                  options: ReadOptions, threads: int) -> None:
-    """A builder process: its threads, its own copy of the model (`_use`)."""
+def _start_worker(model: ModelFolder, boxes: dict, parser: str, out: Path,
+                  image_folder: Path | None, options: ReadOptions, threads: int) -> None:
+    """A builder process: its threads, its own copy of the model (`_use`) from the folder the
+    builder opened."""
     torch.set_num_threads(threads)
     embedder = load_one_model(model, None, None, parser)
     _use(dataclasses.replace(embedder, boxes=boxes), out, image_folder, options)
@@ -168,7 +170,8 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
     """Embed the folder `images`, or the `split` of `shards`, with `model` into the index folder
     `out` (resuming from its parts/), then write the index; its summary. `sentences`: a file of
     sentences to index instead of the shards' captions; the rest as `defrag index`'s flags."""
-    embedder = load_one_model(model, boxes, detector_weights, parser)
+    opened = ModelFolder.open(model)
+    embedder = load_one_model(opened, boxes, detector_weights, parser)
     out = Path(out)
     if images:
         folder = Path(images).resolve()
@@ -202,7 +205,7 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
         else:
             threads = max(1, (os.cpu_count() or 1) // workers)
             context = multiprocessing.get_context("spawn")
-            settings = (model, embedder.boxes, embedder.parser_name, out, image_folder,
+            settings = (opened, embedder.boxes, embedder.parser_name, out, image_folder,
                         options, threads)
             with context.Pool(workers, _start_worker, settings) as pool:
                 for _, size in pool.imap_unordered(_embed_unit, todo):

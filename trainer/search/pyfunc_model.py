@@ -38,23 +38,11 @@ from mlflow.protos.databricks_pb2 import NOT_IMPLEMENTED
 from mlflow.pyfunc import PythonModel, PythonModelContext
 
 from featurizer.parsing import ParserUnavailable
-from trainer.search.embedder import (
-    Embedder,
-    RetrievalError,
-    embed_images,
-    embed_sentences,
-    load_embedder,
-)
+from trainer.search.embedder import Embedder, RetrievalError, embed_images, embed_sentences
 from trainer.search.fragment_set import FragmentSet
 from trainer.search.served_indexes import ServedIndexes
-from trainer.store.registry import (
-    DEFAULT_K,
-    PYFUNC_ARTIFACT,
-    ensemble_members,
-    is_captioner,
-    is_ensemble,
-    verify_model_folder,
-)
+from trainer.store.model_folder import ModelFolder
+from trainer.store.registry import DEFAULT_K, PYFUNC_ARTIFACT
 
 log = logging.getLogger(__name__)
 FAILED = {"image": "the image cannot be read", "sentence": "the sentence cannot be embedded"}
@@ -65,23 +53,21 @@ class DeFragPyfunc(PythonModel):
     module docstring). One request at a time: the parsers are not known to be thread-safe."""
 
     def load_context(self, context: PythonModelContext) -> None:
-        """Load and verify the artifact model folder; an ensemble or a captioner folder is only
-        verified (`predict` says what to use instead). The indexes it may search come from the
-        model_config and the environment (trainer/search/served_indexes.py)."""
-        self.folder = Path(context.artifacts[PYFUNC_ARTIFACT])
+        """Open and verify the artifact model folder, and load its model unless it is an
+        ensemble or a captioner (`predict` says what to use instead). The indexes it may search
+        come from the model_config and the environment (trainer/search/served_indexes.py)."""
+        self.folder = ModelFolder.open(context.artifacts[PYFUNC_ARTIFACT])
         self.indexes = ServedIndexes.configure(context.model_config or {}, os.environ,
                                                self.folder)
         self.lock = threading.Lock()
         self.embedder: Embedder | None = None
-        if is_ensemble(self.folder):
-            verify_model_folder(self.folder)
-            self.unsupported = (f"an ensemble of {len(ensemble_members(self.folder))} models",
+        if self.folder.is_ensemble:
+            self.unsupported = (f"an ensemble of {len(self.folder.members)} models",
                                 "defrag retrieve or trainer.evaluate")
-        elif is_captioner(self.folder):
-            verify_model_folder(self.folder)
+        elif self.folder.is_captioner:
             self.unsupported = ("a captioner", "defrag caption")
         else:
-            self.embedder = dataclasses.replace(load_embedder(self.folder, None, None, None),
+            self.embedder = dataclasses.replace(Embedder.from_folder(self.folder),
                                                 max_image_pixels=self.indexes.max_pixels)
 
     def predict(self, context: PythonModelContext, model_input: pd.DataFrame,

@@ -51,14 +51,13 @@ from trainer.search.embedder import (
     RetrievalError,
     embed_images,
     embed_sentences,
-    load_embedder,
 )
 from trainer.search.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.search.explain import explain, explain_words
 from trainer.search.fragment_set import FragmentSet, rank, top_k
 from trainer.search.index import SearchIndex
 from trainer.search.retrieval_report import format_report
-from trainer.store.registry import ensemble_members
+from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +97,13 @@ def search(request: RetrievalRequest) -> dict[str, Any]:
     """Build or refresh the embedding caches, answer the queries, explain the first one: the
     report."""
     check_request(request)
-    folders, weights = zip(*ensemble_members(request.model), strict=True)
+    folders, weights = zip(*ModelFolder.open(request.model).members, strict=True)
     if len(folders) > 1 and (request.explain or request.arithmetic):
         raise RetrievalError(f"{request.model} is an ensemble of {len(folders)} models; "
                              "--explain and --minus/--plus read one model: pass one of its "
-                             f"members, e.g. --model {folders[0]}")
-    members = [load_embedder(folder, request.boxes, request.detector_weights, request.parser)
-               for folder in folders]
+                             f"members, e.g. --model {folders[0].path}")
+    members = [Embedder.from_folder(folder, request.boxes, request.detector_weights,
+                                    request.parser) for folder in folders]
     embedder = members[0]  # the one model, or the ensemble's first member (reports, checks)
     if request.arithmetic:
         check_encoder(embedder)
@@ -115,7 +114,7 @@ def search(request: RetrievalRequest) -> dict[str, Any]:
         plus = term_vectors(request.plus, "--plus", embedder, request.device)
     index_dir = request.index_dir or (request.images or request.sentences.parent) / CACHE_DIR
     # an ensemble keeps one index per member, in a subfolder named after it
-    index_dirs = [index_dir] if len(folders) == 1 else [index_dir / f.name for f in folders]
+    index_dirs = [index_dir] if len(folders) == 1 else [index_dir / f.path.name for f in folders]
     member_images, member_sentences, lines = embed_collection(request, index_dirs, members)
     images = member_images[0] if member_images else None
     sentences = member_sentences[0] if member_sentences else None
@@ -124,7 +123,7 @@ def search(request: RetrievalRequest) -> dict[str, Any]:
                               "sentences": len(sentences.items) if sentences else 0,
                               "queries": []}
     if len(members) > 1:
-        report["ensemble"] = [str(folder) for folder in folders]
+        report["ensemble"] = [str(folder.path) for folder in folders]
     answered, pairs = sentence_queries(request, members, weights, member_images)
     if request.arithmetic:
         answered += [arithmetic_query(path, embedder, images, minus, plus, request)

@@ -32,6 +32,7 @@ from typing import Any
 from defrag.images import MAX_IMAGE_PIXELS
 from trainer.search.embedder import RetrievalError
 from trainer.search.index import SearchIndex
+from trainer.store.model_folder import ModelFolder
 from trainer.store.registry import PYFUNC_CONFIG
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class ServedIndexes:
     """The indexes a server may open (see the module doc), and those it holds open."""
 
     def __init__(self, names: dict[str, str], root: str | None, cached: int,
-                 model: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+                 model: ModelFolder, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
         self.names, self.model, self.cached = names, model, cached
         self.max_pixels = max_pixels  # the pixel bound of image rows
         self.root = Path(os.path.realpath(root)) if root else None
@@ -53,9 +54,10 @@ class ServedIndexes:
 
     @classmethod
     def configure(cls, config: Mapping[str, Any], environ: Mapping[str, str],
-                  model: Path) -> ServedIndexes:
-        """From a model_config and the environment (which wins), for the model folder `model`;
-        ValueError naming the key or variable at fault."""
+                  model: ModelFolder) -> ServedIndexes:
+        """From a model_config and the environment (which wins), for the opened model folder
+        `model` (each index opens with it, not verified again); ValueError naming the key or
+        variable at fault."""
         config = {**PYFUNC_CONFIG, **config}
         names = config["indexes"] or {}
         if not isinstance(names, Mapping) or not all(

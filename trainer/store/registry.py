@@ -1,42 +1,31 @@
-"""The registered model: a self-contained folder, its registration in MLflow, and its download.
-
-A model folder holds `weights.safetensors` (the state dict), `config.json` (the run's Config),
-`vocab.json` (the Vocabulary), optionally `metrics.json`, and `checksums.json` (sha256 and size of
-every other file). Loading it never unpickles anything, and a folder that is incomplete, altered,
-padded with unlisted files, linked to files outside it, or whose weights are not safetensors (a
-pickle, a `torch.save` zip) is refused with a message naming the file.
+"""The registry: a model folder (trainer/store/model_folder.py) registered in MLflow, and
+downloaded back.
 
     defrag registry download models:/defrag@champion --dst DIR [--tracking-uri URI]
     defrag registry verify DIR
     defrag registry register DIR --run-id ID --tracking-uri URI [--name N --alias A]
     defrag registry ensemble DIR DIR... --out DIR [--weights W W...] [--name N ...]
 
-An ensemble folder holds member model folders (member-0, ...) and `ensemble.json` (each member's
-checksums.json sha256 and weight); its image-sentence score is the weighted sum of its members'
-scores (by default their mean). A captioner folder (trainer/caption/captioner.py) holds its
-encoder's model folder (`encoder/`) beside `captioner.json` and the language model's files.
-
 A registered version is an MLflow pyfunc model built from code (trainer/search/pyfunc_model.py,
 nothing pickled): `MLmodel`, the code file and the environment files, with the model folder as its
 artifact `model` (in `artifacts/<folder name>/`, as MLmodel records). So
 `mlflow.pyfunc.load_model("models:/defrag@champion")` and `mlflow models serve -m
 models:/defrag@champion --env-manager local` work, while `download` still gives the plain model
-folder that `--model DIR` reads.
+folder that `--model DIR` reads. An ensemble, trained by no one run, is registered from a new run
+of ENSEMBLE_EXPERIMENT.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
-import json
 import re
 import shlex
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlflow.artifacts
 import mlflow.pyfunc
@@ -48,33 +37,12 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
 from defrag.cli import add_debug_flag, one_line_errors
-from defrag.files import CHECKSUMS, verify_checksums, write_checksums
+from defrag.files import CHECKSUMS, fingerprint
 from defrag.images import MAX_IMAGE_PIXELS
-from trainer.config import Config, ModelConfig
-from trainer.store.tracking import RegistrationFailed, Tracker, connect, experiment_id
+from trainer.store.model_folder import MEMBER, ModelFolder, ModelFolderError, save_ensemble
+from trainer.store.tracking import FinishedRunError, Tracker, connect, experiment_id
 
-# torch and the model are imported inside the functions that save or build a model, so the
-# download and verify commands start in seconds.
-if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-
-    import torch
-
-    from defrag.vocab import Vocabulary
-    from trainer.model import DeFragModel
-
-MODEL_FORMAT = 1
-ENSEMBLE = "ensemble.json"  # an ensemble folder: its members, whose scores are summed weighted
-CAPTIONER, CAPTIONER_ENCODER = "captioner.json", "encoder"  # a captioner folder's record, encoder
 ENSEMBLE_EXPERIMENT = "defrag-ensembles"  # the MLflow experiment whose runs register ensembles
-WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
-FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
-REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
-WORD_VECTORS = "sentence.word_vectors"  # W_e in the state dict: its width is the word_dim
-NOT_SAFETENSORS = {  # first bytes -> what the file is
-    b"PK\x03\x04": "a zip archive (torch.save's format, which unpickles)",
-    b"\x80": "a pickle (plain, or torch.save's legacy format)",
-    b"\x93NUMPY": "a NumPy array file", b"\x89HDF": "an HDF5 file", b"\x1f\x8b": "a gzip file"}
 MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
 MLMODEL = "MLmodel"  # an MLflow model directory's description
 PYFUNC_ARTIFACT = "model"  # the model folder's name among the pyfunc's artifacts
@@ -93,290 +61,14 @@ SIGNATURE = ModelSignature(  # the params let `mlflow models serve` requests cho
 INPUT_EXAMPLE = pd.DataFrame({"sentence": ["a brown dog runs on the grass"]})  # MLflow shows it
 
 
-class ModelFolderError(ValueError):
-    """A model folder that is missing, incomplete, altered or inconsistent."""
+class RegistrationFailed(FinishedRunError):
+    """A model folder could not be registered; `command` registers it later. `summary` is the
+    training's summary (set by the run that trained it) to print before exiting 1."""
 
-
-# ---------------------------------------------------------------- the folder
-
-
-def save_model_folder(folder: str | Path, model: torch.nn.Module, config: Config,
-                      vocab: Vocabulary, metrics: dict[str, Any] | None = None,
-                      featurizer: dict[str, Any] | None = None) -> Path:
-    """Write the model folder atomically: built beside `folder`, then renamed over it.
-    `featurizer`: the training shards' parser and box source (default: read from their
-    manifest)."""
-    from safetensors.torch import save_file
-
-    def fill(staging: Path) -> None:
-        # Copies: safetensors refuses tensors that share storage (tied or viewed weights).
-        state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-        save_file(state, staging / WEIGHTS, metadata={"format": str(MODEL_FORMAT)})
-        config.to_json(staging / CONFIG)
-        vocab.save(staging / VOCAB)
-        if metrics is not None:
-            (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        found = featurizer or training_featurizer(config)
-        if found is not None:  # so that new inputs are parsed and boxed alike anywhere
-            (staging / FEATURIZER).write_text(json.dumps(found, indent=2, sort_keys=True))
-
-    return write_folder(Path(folder), fill)
-
-
-def save_ensemble(folder: str | Path, members: Sequence[str | Path],
-                  weights: Sequence[float] | None = None,
-                  metrics: dict[str, Any] | None = None) -> Path:
-    """Write an ensemble folder: a copy of each member model folder (member-0, member-1, ...),
-    `ensemble.json` naming them with their checksums and weights, `checksums.json`. Its
-    image-sentence score is the weighted sum of its members' (by default their mean, as m-CNN
-    and SCAN ensemble). Members with different `objective.score`s (e.g. cosine and eq. 6) have
-    different scales: they need `weights`, chosen on a dev split."""
-    members = [Path(member) for member in members]
-    if len(members) < 2:
-        raise ModelFolderError(f"an ensemble needs 2 or more member model folders: got "
-                               f"{len(members)}")
-    scores = {}
-    for member in members:
-        verify_model_folder(member)
-        if is_ensemble(member):
-            raise ModelFolderError(f"{member} is an ensemble itself: list its members instead")
-        scores[str(member)] = json.loads((member / CONFIG).read_text())["objective"]["score"]
-    if weights is None and len(set(scores.values())) > 1:
-        raise ModelFolderError(f"the members score differently ({scores}): their scales differ, "
-                               "so a plain mean is meaningless; give each a weight (chosen on "
-                               "dev), or choose members with one objective.score")
-    weights = [1 / len(members)] * len(members) if weights is None else list(weights)
-    if len(weights) != len(members) or not all(w > 0 for w in weights):
-        raise ModelFolderError(f"ensemble weights {weights}: expected one positive weight per "
-                               f"member ({len(members)})")
-
-    def fill(staging: Path) -> None:
-        entries = []
-        for number, (member, weight) in enumerate(zip(members, weights, strict=True)):
-            name = f"member-{number}"
-            shutil.copytree(member, staging / name)
-            entries.append({"folder": name, "source": str(member), "weight": weight,
-                            "checksums_sha256": _sha256(member / CHECKSUMS)})
-        (staging / ENSEMBLE).write_text(json.dumps(
-            {"combine": "weighted sum of the members' image-sentence scores",
-             "members": entries}, indent=2))
-        if metrics is not None:
-            (staging / METRICS).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-
-    return write_folder(Path(folder), fill)
-
-
-def write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
-    """Build a model folder beside `folder` with `fill`, add its checksums, then rename it over
-    `folder`: a reader never sees a part."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
-        fill(staging)
-        write_checksums(staging, format=MODEL_FORMAT)
-        if folder.exists():  # replace an older model: move it aside, move the new one in
-            retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
-            folder.rename(retired)
-            staging.rename(folder)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
-
-
-def training_featurizer(config: Config) -> dict[str, Any] | None:
-    """The parser and box source of the shards a model was trained on, from their manifest
-    (None when the manifest is not on this machine)."""
-    from defrag.urls import ShardError
-    from trainer.data.shardset import training_manifest
-
-    if config.data.shards is None:
-        return None
-    try:
-        manifest = training_manifest(config.data)
-    except (ShardError, ValueError):
-        return None
-    return {key: manifest[key] for key in ("parser", "box_source") if key in manifest}
-
-
-def is_captioner(folder: str | Path) -> bool:
-    """Whether `folder` is a captioner folder (trainer/caption/captioner.py): an encoder and a
-    language model, not a retrieval model."""
-    return (Path(folder) / CAPTIONER).is_file()
-
-
-def is_ensemble(folder: str | Path) -> bool:
-    """Whether `folder` is an ensemble folder (`save_ensemble`), not one model."""
-    return (Path(folder) / ENSEMBLE).is_file()
-
-
-def ensemble_members(folder: str | Path) -> list[tuple[Path, float]]:
-    """Each model folder of `folder` with its weight in the score: an ensemble's members (its
-    own files and member records checked here; each member is verified when
-    `load_model_folder` loads it), else the folder itself with weight 1."""
-    folder = Path(folder)
-    if not is_ensemble(folder):
-        return [(folder, 1.0)]
-    entries = _check_ensemble(folder, "download or export the model again")
-    return [(folder / entry["folder"], float(entry["weight"])) for entry in entries]
-
-
-def verify_model_folder(folder: str | Path) -> None:
-    """Raise ModelFolderError unless `folder` holds exactly the files its checksums list, intact,
-    with safetensors weights and no link out of it (for an ensemble: each of its members)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelFolderError(f"{folder}: no such model folder")
-    advice = "download or export the model again"
-    if is_ensemble(folder):
-        _verify_ensemble(folder, advice)
-        return
-    if is_captioner(folder):
-        _verify_captioner(folder)
-        return
-    listed = verify_checksums(folder, ModelFolderError, "model folder", advice,
-                              format=MODEL_FORMAT)["files"]
-    for name in REQUIRED_FILES:
-        if name not in listed:
-            raise ModelFolderError(f"{folder}: {CHECKSUMS} does not list {name}; {advice}")
-    what = _not_safetensors(folder / WEIGHTS)
-    if what:
-        raise ModelFolderError(f"{folder / WEIGHTS} is {what}; model weights are loaded from "
-                               "safetensors only, never unpickled: export the model again with "
-                               "trainer.store.registry.save_model_folder")
-
-
-def _verify_ensemble(folder: Path, advice: str) -> None:
-    """An ensemble folder whole: `_check_ensemble`, then each member folder intact."""
-    for entry in _check_ensemble(folder, advice):
-        verify_model_folder(folder / entry["folder"])
-
-
-def _verify_captioner(folder: Path) -> None:
-    """A captioner folder whole: `captioner_encoder`, then the encoder folder intact."""
-    verify_model_folder(captioner_encoder(folder))
-
-
-def captioner_encoder(folder: str | Path) -> Path:
-    """The encoder folder of a captioner folder, once the captioner's own files are intact and
-    the encoder is the one `captioner.json` records (the encoder's own files are verified when
-    `load_model_folder` loads it)."""
-    folder, advice = Path(folder), "download or export the model again"
-    if not is_captioner(folder):
-        raise ModelFolderError(f"{folder} is not a captioner folder (no {CAPTIONER}): train one "
-                               "with trainer.caption.train")
-    verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
-                     format=MODEL_FORMAT)
-    encoder = folder / CAPTIONER_ENCODER
-    present = sorted(path.name for path in folder.iterdir() if path.is_dir())
-    if present != [CAPTIONER_ENCODER]:
-        raise ModelFolderError(f"{folder} holds the folders {present}; a captioner holds only "
-                               f"{CAPTIONER_ENCODER}/; {advice}")
-    try:
-        recorded = json.loads((folder / CAPTIONER).read_text())["encoder_checksums_sha256"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ModelFolderError(f"{folder / CAPTIONER} is malformed ({err!r}); {advice}") from err
-    if not (encoder / CHECKSUMS).is_file() or _sha256(encoder / CHECKSUMS) != recorded:
-        raise ModelFolderError(f"{encoder} is not the encoder {CAPTIONER} records (other or no "
-                               f"checksums); {advice}")
-    return encoder
-
-
-def _check_ensemble(folder: Path, advice: str) -> list[dict[str, Any]]:
-    """An ensemble folder's own files and its `ensemble.json` entries: each member the one
-    recorded (the sha256 of its checksums.json), not an ensemble, and no folder that is not a
-    member. The members' own files are not read here."""
-    verify_checksums(folder, ModelFolderError, "model folder", advice, subfolders=True,
-                     format=MODEL_FORMAT)
-    try:
-        entries = json.loads((folder / ENSEMBLE).read_text())["members"]
-        recorded = {entry["folder"]: entry["checksums_sha256"] for entry in entries}
-        if not all(float(entry["weight"]) > 0 for entry in entries):
-            raise ValueError("a weight is not positive")
-    except (ValueError, KeyError, TypeError) as err:
-        raise ModelFolderError(f"{folder / ENSEMBLE} is malformed ({err!r}); {advice}") from err
-    present = {path.name for path in folder.iterdir() if path.is_dir()}
-    if present != set(recorded) or any(Path(name).name != name for name in recorded):
-        raise ModelFolderError(f"{folder} holds the folders {sorted(present)} but {ENSEMBLE} "
-                               f"lists the members {sorted(recorded)}; {advice}")
-    for name, sha256 in recorded.items():
-        if is_ensemble(folder / name):
-            raise ModelFolderError(f"{folder / name}: an ensemble member is an ensemble; {advice}")
-        checksums = folder / name / CHECKSUMS
-        if not checksums.is_file() or _sha256(checksums) != sha256:
-            raise ModelFolderError(f"{folder / name} is not the member {ENSEMBLE} records (other "
-                                   f"or no checksums); {advice}")
-    return entries
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _not_safetensors(path: Path) -> str | None:
-    """What a file is, sniffed from its first bytes, when it is not safetensors; else None."""
-    with path.open("rb") as stream:
-        head = stream.read(9)
-    for magic, what in NOT_SAFETENSORS.items():
-        if head.startswith(magic):
-            return f"{what}, not safetensors"
-    header_size = int.from_bytes(head[:8], "little")
-    if head[8:] != b"{" or header_size > path.stat().st_size - 8:
-        return f"not a safetensors file (it starts with {head!r}, not a safetensors header)"
-    return None
-
-
-def load_model_folder(folder: str | Path) -> tuple[DeFragModel, Config, Vocabulary]:
-    """The verified model (eval mode), its training config and its vocabulary.
-
-    No pretrained weights or word-vector files are needed: the saved weights replace them.
-    """
-    from safetensors.torch import load_file
-
-    from defrag.vocab import Vocabulary
-    from trainer.model import DeFragModel
-
-    folder = Path(folder)
-    verify_model_folder(folder)
-    if is_ensemble(folder):
-        raise ModelFolderError(f"{folder} is an ensemble of {len(ensemble_members(folder))} "
-                               "models, not one: load each of registry.ensemble_members")
-    if is_captioner(folder):
-        raise ModelFolderError(f"{folder} is a captioner (defrag caption); its "
-                               f"retrieval model is {folder / CAPTIONER_ENCODER}")
-    try:
-        config = Config.from_dict(json.loads((folder / CONFIG).read_text()))
-    except ValueError as err:
-        raise ModelFolderError(f"{folder / CONFIG}: not a valid config ({err})") from err
-    vocab = Vocabulary.load(folder / VOCAB)
-    state = load_file(folder / WEIGHTS)  # tensors only: nothing is unpickled or executed
-    model = DeFragModel.from_config(_standalone(config.model, state), vocab)
-    expected = model.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    reshaped = sorted(k for k in expected.keys() & state.keys()
-                      if expected[k].shape != state[k].shape)
-    if missing or unexpected or reshaped:
-        raise ModelFolderError(f"{folder / WEIGHTS} does not fit {CONFIG} and {VOCAB}: missing "
-                               f"tensors {missing}, unexpected {unexpected}, other shapes "
-                               f"{reshaped}")
-    model.load_state_dict(state)
-    return model.eval(), config, vocab
-
-
-def _standalone(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig:
-    """`cfg` without external files (ImageNet weights, word vectors) and with the saved W_e's
-    width (a word-vector file may have overridden `word_dim` in training)."""
-    word_vectors = state.get(WORD_VECTORS)
-    word_dim = cfg.word_dim if word_vectors is None else word_vectors.shape[1]
-    return dataclasses.replace(cfg, pretrained=False, backbone_weights=None, word_vectors=None,
-                               word_dim=word_dim)
-
-
-# ---------------------------------------------------------------- the registry
+    def __init__(self, error: str, command: str) -> None:
+        super().__init__(f"the model is not registered: {error}\nregister it later with: {command}")
+        self.error, self.command = error, command
+        self.summary: dict[str, Any] = {}
 
 
 def register_from_run(tracker: Tracker, folder: str | Path, name: str = "defrag",
@@ -403,10 +95,10 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
     as a new version of `name` and point `alias` at it; returns the version. The same files
     registered again from the same run (a finished run resumed, a job requeued after
     registering) reuse their version, or their logged artifacts under another `name`."""
-    verify_model_folder(folder)
+    opened = ModelFolder.open(folder)
     if not client.list_artifacts(run_id, artifact_path):
         log_pyfunc_model(client, run_id, folder, artifact_path)
-    elif not _logged_already(client, run_id, folder, artifact_path):
+    elif not _logged_already(client, run_id, opened, artifact_path):
         raise ValueError(f"run {run_id} already has other files under {artifact_path!r}; a "
                          "new version must not share (and overwrite) an older version's: "
                          "register it under another --artifact-path")
@@ -429,9 +121,11 @@ def register_model(client: MlflowClient, run_id: str, folder: str | Path, name: 
     return str(version)
 
 
-def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | None) -> str:
+def register_ensemble(folder: Path, sources: Sequence[Path], name: str, alias: str,
+                      tracking_uri: str | None) -> str:
     """Register an ensemble folder from a new run of ENSEMBLE_EXPERIMENT (an ensemble is not
-    trained by one run), its members' sources as parameters; returns the version."""
+    trained by one run), the model folders its members were copied from as parameters; returns
+    the version."""
     if not tracking_uri:
         raise ValueError(f"--name registers into a tracking store: pass --tracking-uri or set "
                          f"{MLFLOW_TRACKING_URI.name}")
@@ -443,9 +137,8 @@ def register_ensemble(folder: Path, name: str, alias: str, tracking_uri: str | N
     experiment = experiment_id(client, ENSEMBLE_EXPERIMENT,
                                artifacts.as_uri() if artifacts else None)
     run_id = client.create_run(experiment, run_name=folder.name).info.run_id
-    members = json.loads((folder / ENSEMBLE).read_text())["members"]
-    for entry in members:
-        client.log_param(run_id, entry["folder"], entry["source"])
+    for number, source in enumerate(sources):
+        client.log_param(run_id, MEMBER.format(number), str(source))
     try:
         version = register_model(client, run_id, folder, name, alias)
     except Exception:
@@ -502,9 +195,9 @@ def _artifact_path(mlmodel: Path) -> str:
     return relative
 
 
-def _logged_already(client: MlflowClient, run_id: str, folder: str | Path,
+def _logged_already(client: MlflowClient, run_id: str, folder: ModelFolder,
                     artifact_path: str) -> bool:
-    """Whether the run's `artifact_path` holds `folder`'s files (same checksums.json): as its
+    """Whether the run's `artifact_path` holds `folder`'s files (same checksums key): as its
     pyfunc artifact, or (logged before the pyfunc) as the artifact_path itself."""
     with tempfile.TemporaryDirectory() as tmp:
         logged = _logged_file(client, run_id, f"{artifact_path}/{MLMODEL}", Path(tmp))
@@ -512,7 +205,7 @@ def _logged_already(client: MlflowClient, run_id: str, folder: str | Path,
                  else artifact_path)
         checksums = _logged_file(client, run_id, f"{inner}/{CHECKSUMS}", Path(tmp))
         return (checksums is not None
-                and checksums.read_bytes() == (Path(folder) / CHECKSUMS).read_bytes())
+                and fingerprint(checksums)["sha256"] == folder.checksums_key)
 
 
 def _logged_file(client: MlflowClient, run_id: str, path: str, tmp: Path) -> Path | None:
@@ -568,7 +261,7 @@ def download_model(uri: str, dst: str | Path, tracking_uri: str | None = None) -
     try:
         local = pyfunc_folder(Path(mlflow.artifacts.download_artifacts(
             artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri)))
-        verify_model_folder(local)
+        ModelFolder.open(local)
         local.rename(dst)  # replaces an empty dst folder
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -642,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "ensemble":
             result = save_ensemble(args.out, args.members, args.weights)
             if args.name:
-                version = register_ensemble(args.out, args.name, args.alias,
+                version = register_ensemble(args.out, args.members, args.name, args.alias,
                                             args.tracking_uri or MLFLOW_TRACKING_URI.get())
                 result = f"{result}\nmodels:/{args.name}/{version}"
         elif args.command == "register":
@@ -650,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                                      args.name, args.alias, args.artifact_path)
             result = f"models:/{args.name}/{version}"
         else:
-            verify_model_folder(args.folder)
+            ModelFolder.open(args.folder)
             result = args.folder
     print(result)
 

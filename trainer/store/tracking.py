@@ -9,8 +9,8 @@ what the store does not take (metrics, pictures, the run's end) waits on disk in
 
     defrag tracking sync RUN_DIR [--tracking-uri URI]
 
-sends it. A model whose registration fails (trainer.store.registry.register_from_run) raises
-RegistrationFailed, naming the command that registers it later.
+sends it. An error once the run's work is done (FinishedRunError, e.g. a model that could not be
+registered: trainer.store.registry.RegistrationFailed) ends the run FINISHED, the error as its tag.
 """
 
 from __future__ import annotations
@@ -68,14 +68,9 @@ class TrackingUnavailable(RuntimeError):
     """The tracking store cannot be used at start-up (the run should not start without it)."""
 
 
-class RegistrationFailed(RuntimeError):
-    """A model folder could not be registered; `command` registers it later. `summary` is the
-    training's summary (set by trainer.main.train) for main() to print before exiting 1."""
-
-    def __init__(self, error: str, command: str) -> None:
-        super().__init__(f"the model is not registered: {error}\nregister it later with: {command}")
-        self.error, self.command = error, command
-        self.summary: dict[str, Any] = {}
+class FinishedRunError(RuntimeError):
+    """An error raised once the run's work is done (e.g. its model's registration): the run
+    still ends FINISHED, with the error as its tag."""
 
 
 def connect(tracking_uri: str) -> MlflowClient:
@@ -370,13 +365,13 @@ class Tracker:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  _: object) -> None:
         """FINISHED on success, KILLED on Ctrl-C, FAILED on any other exception, which becomes
-        the `error` tag (a RegistrationFailed too, on a FINISHED run: the training finished)."""
+        the `error` tag (a FinishedRunError too, on a FINISHED run: the training finished)."""
         if kind is None:
             self.finish("FINISHED")
         elif issubclass(kind, KeyboardInterrupt):
             self.finish("KILLED")
         else:
-            self.finish("FINISHED" if issubclass(kind, RegistrationFailed) else "FAILED",
+            self.finish("FINISHED" if issubclass(kind, FinishedRunError) else "FAILED",
                         f"{kind.__name__}: {error}")
 
     def _failed(self, kind: str, err: Exception) -> None:

@@ -26,12 +26,13 @@ from trainer.batch import Batch, batches_on_device, unit_float
 from trainer.config import Config
 from trainer.data.eval_set import load_eval_set
 from trainer.data.feature_cache import FeatureCache, feature_stamp
+from trainer.data.shardset import training_featurizer
 from trainer.data.train_loader import make_train_loader
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
 from trainer.pictures import alignment_figure
-from trainer.store.registry import save_model_folder, training_featurizer
+from trainer.store.model_folder import save_model_folder
 from trainer.store.tracking import Tracker
 from trainer.training.checkpoint import TrainState, save_checkpoint
 from trainer.training.distributed import DistContext
@@ -66,7 +67,7 @@ class Trainer:
                       if cfg.run.cache_frozen_features else None)
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size)
         self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
-        self.featurizer = training_featurizer(cfg) if ctx.is_main else None  # read once
+        self.featurizer = training_featurizer(cfg.data) if ctx.is_main else None  # read once
         self.engine = None
         self.engine_finetunes: bool | None = None
         self.nonfinite_streak = 0  # non-finite losses in a row
