@@ -25,9 +25,13 @@ def replaced_atomically(target: Path, temporary: Path | None = None) -> Iterator
     temporary = temporary or target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
     try:
         yield temporary
-        if temporary.is_dir():  # a rename replaces an empty folder only
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(temporary, target)
+        if temporary.is_dir() and target.is_dir():  # a rename replaces an empty folder only:
+            retired = target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
+            os.replace(target, retired)  # the old folder moved aside whole, not half deleted
+            os.replace(temporary, target)
+            shutil.rmtree(retired)
+        else:
+            os.replace(temporary, target)
     except BaseException:
         if temporary.is_dir():
             shutil.rmtree(temporary, ignore_errors=True)

@@ -85,15 +85,15 @@ def test_a_folder_reached_through_a_link_loads(folder: Path, tmp_path: Path) -> 
 
 
 def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the files hashed from now on (`fingerprint` wrapped, not replaced)."""
-    hashed, fingerprint = [], files.fingerprint
+    """The names of the files hashed from now on (`sha256_file` wrapped, not replaced)."""
+    hashed, sha256_file = [], files.sha256_file
 
-    def counted(path: Path) -> dict:
+    def counted(path: Path) -> str:
         hashed.append(path.name)
-        return fingerprint(path)
+        return sha256_file(path)
 
-    monkeypatch.setattr(files, "fingerprint", counted)
-    monkeypatch.setattr(model_folder, "fingerprint", counted)
+    monkeypatch.setattr(files, "sha256_file", counted)
+    monkeypatch.setattr(model_folder, "sha256_file", counted)
     return hashed
 
 
@@ -103,4 +103,4 @@ def test_an_embedder_hashes_its_folder_once(saved: Path, monkeypatch: pytest.Mon
     hashed = count_hashes(monkeypatch)
     embedder = Embedder.from_folder(ModelFolder.open(saved))
     assert sorted(hashed) == sorted(path.name for path in saved.iterdir())
-    assert embedder.model_key == files.fingerprint(saved / "checksums.json")["sha256"]
+    assert embedder.model_key == files.sha256_file(saved / "checksums.json")

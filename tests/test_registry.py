@@ -97,7 +97,7 @@ def test_folder_round_trip_without_pickle(saved: tuple[Path, DeFragModel, Config
     folder, model, config = saved
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [WEIGHTS, CONFIG, VOCAB, METRICS, CHECKSUMS])
-    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no staging left
 
     def no_unpickling(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model folder must load without unpickling")

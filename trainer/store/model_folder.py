@@ -20,12 +20,17 @@ import dataclasses
 import functools
 import json
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from defrag.files import CHECKSUMS, fingerprint, verify_checksums, write_checksums
+from defrag.files import (
+    CHECKSUMS,
+    replaced_atomically,
+    sha256_file,
+    verify_checksums,
+    write_checksums,
+)
 from trainer.config import Config, ModelConfig
 
 # torch and the model are imported inside the functions that save or build a model, so the
@@ -197,7 +202,7 @@ class ModelFolder:
 
 def _checksums_key(path: Path) -> str:
     """The sha256 of a folder's checksums.json: it names every file of the folder."""
-    return fingerprint(path / CHECKSUMS)["sha256"]
+    return sha256_file(path / CHECKSUMS)
 
 
 def _not_safetensors(path: Path) -> str | None:
@@ -290,20 +295,10 @@ def save_ensemble(folder: str | Path, members: Sequence[str | Path],
 
 def write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
     """Build a model folder beside `folder` with `fill`, add its checksums, then rename it over
-    `folder`: a reader never sees a part."""
+    `folder` (`replaced_atomically`): a reader never sees a part."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
+    with replaced_atomically(folder) as staging:
+        staging.mkdir()
         fill(staging)
         write_checksums(staging, format=MODEL_FORMAT)
-        if folder.exists():  # replace an older model: move it aside, move the new one in
-            retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
-            folder.rename(retired)
-            staging.rename(folder)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder

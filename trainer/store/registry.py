@@ -37,7 +37,7 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
 from defrag.cli import add_debug_flag, one_line_errors
-from defrag.files import CHECKSUMS, fingerprint
+from defrag.files import CHECKSUMS, sha256_file
 from defrag.images import MAX_IMAGE_PIXELS
 from trainer.store.model_folder import MEMBER, ModelFolder, ModelFolderError, save_ensemble
 from trainer.store.tracking import FinishedRunError, Tracker, connect, experiment_id
@@ -205,7 +205,7 @@ def _logged_already(client: MlflowClient, run_id: str, folder: ModelFolder,
                  else artifact_path)
         checksums = _logged_file(client, run_id, f"{inner}/{CHECKSUMS}", Path(tmp))
         return (checksums is not None
-                and fingerprint(checksums)["sha256"] == folder.checksums_key)
+                and sha256_file(checksums) == folder.checksums_key)
 
 
 def _logged_file(client: MlflowClient, run_id: str, path: str, tmp: Path) -> Path | None:
