@@ -208,7 +208,7 @@ ROWS.update({f"{name}_lite0": Row(f"{ROWS[name].title}, EfficientNet-Lite0",
 
 @dataclass
 class Ensemble:
-    """Rows' best models scored together (trainer.store.registry ensemble): the mean of the members'
+    """Rows' best models scored together (defrag registry ensemble): the mean of the members'
     scores, plus a `fused` row's scores (another score, e.g. eq. 6) with a weight chosen on dev."""
 
     title: str

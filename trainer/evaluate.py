@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="defrag evaluate", description=main.__doc__)
     parser.add_argument("--model", required=True,
                         help="a registered model folder, or an ensemble folder (the weighted sum "
-                             "of its members' scores; trainer.store.registry ensemble)")
+                             "of its members' scores; defrag registry ensemble)")
     parser.add_argument("--shards", required=True,
                         help="featurizer output folder or its http(s) URL (with --split), or a "
                              "WebDataset shard list such as 'data/test/shard-{000000..000004}.tar'"
