@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from trainer.model import DeFragModel
 
 MODEL_FORMAT = 1
-MODEL, ENSEMBLE_KIND, CAPTIONER_KIND = "model", "ensemble", "captioner"  # ModelFolder.kind
+MODEL_KIND, ENSEMBLE_KIND, CAPTIONER_KIND = "model", "ensemble", "captioner"  # ModelFolder.kind
 ENSEMBLE = "ensemble.json"  # an ensemble folder: its members, whose scores are summed weighted
 MEMBER = "member-{}"  # an ensemble's member folders, numbered from 0
 CAPTIONER = "captioner.json"  # a captioner folder's record (trainer/caption/captioner.py)
@@ -70,9 +70,9 @@ class ModelFolder:
 
     path: Path
     checksums_key: str  # sha256 of its checksums.json: names these exact files
-    kind: str  # MODEL, ENSEMBLE_KIND or CAPTIONER_KIND
+    kind: str  # MODEL_KIND, ENSEMBLE_KIND or CAPTIONER_KIND
     parts: dict[str, ModelFolder] = field(default_factory=dict)  # its model subfolders, verified
-    weights: dict[str, float] = field(default_factory=dict)  # an ensemble's, by member folder
+    member_weights: dict[str, float] = field(default_factory=dict)  # an ensemble's, by folder
 
     @classmethod
     def open(cls, path: str | Path) -> ModelFolder:
@@ -98,7 +98,7 @@ class ModelFolder:
             raise ModelFolderError(f"{path / WEIGHTS} is {what}; model weights are loaded from "
                                    "safetensors only, never unpickled: export the model again "
                                    "with trainer.store.model_folder.save_model_folder")
-        return cls(path, _checksums_key(path), MODEL)
+        return cls(path, _checksums_key(path), MODEL_KIND)
 
     @classmethod
     def _open_ensemble(cls, path: Path) -> ModelFolder:
@@ -126,7 +126,7 @@ class ModelFolder:
             parts[name] = cls.open(path / name)
             if parts[name].checksums_key != key:
                 raise ModelFolderError(f"{path / name} is not the member {ENSEMBLE} records "
-                                       f"(other or no checksums); {ADVICE}")
+                                       f"(other checksums); {ADVICE}")
         return cls(path, _checksums_key(path), ENSEMBLE_KIND, parts, weights)
 
     @property
@@ -142,7 +142,7 @@ class ModelFolder:
         """Each model folder with its weight in the score: an ensemble's members, else this
         folder with weight 1."""
         if self.is_ensemble:
-            return [(self.parts[name], weight) for name, weight in self.weights.items()]
+            return [(self.parts[name], weight) for name, weight in self.member_weights.items()]
         return [(self, 1.0)]
 
     @property
@@ -165,7 +165,9 @@ class ModelFolder:
     def featurizer(self) -> dict[str, Any] | None:
         """The parser and box source of the training shards (`featurizer.json`), when saved."""
         saved = self.path / FEATURIZER
-        return json.loads(saved.read_text()) if self.kind == MODEL and saved.is_file() else None
+        if self.kind != MODEL_KIND or not saved.is_file():
+            return None
+        return json.loads(saved.read_text())
 
     def load_model(self) -> DeFragModel:
         """A new model (eval mode) with the saved weights: no pretrained weights or word-vector
