@@ -17,8 +17,8 @@ from typing import Any
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.urls import redact
 from trainer.config import Config
-from trainer.store.registry import register_from_run
-from trainer.store.tracking import RegistrationFailed, Tracker
+from trainer.store.registry import RegistrationFailed, register_from_run
+from trainer.store.tracking import Tracker
 from trainer.training.checkpoint import (
     TrainState,
     clear_partial,
