@@ -275,14 +275,20 @@ def main(argv: list[str] | None = None) -> None:
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     with one_line_errors(parser.prog, args.debug):
-        _evaluate(args)
+        evaluate_folder(args.model, args.shards, args.split, manifest=args.manifest,
+                        max_images=args.max_images, workers=args.workers,
+                        allow_incomplete=args.allow_incomplete, save_scores=args.save_scores,
+                        device=args.device)
 
 
-def _evaluate(args: argparse.Namespace) -> None:
-    """The work of `main`: load the model (each member of an ensemble) and the split, evaluate,
-    print."""
-    split = args.split or _split_of_list(args.shards)
-    members, weights = zip(*ModelFolder.open(args.model).members, strict=True)
+def evaluate_folder(model_dir: str, shards: str, split: str | None = None, *,
+                    manifest: str | None = None, max_images: int | None = None, workers: int = 2,
+                    allow_incomplete: bool = False, save_scores: Path | None = None,
+                    device: str = "cpu") -> None:
+    """`defrag evaluate`'s work: load the model folder (each member of an ensemble) and the split
+    of `shards`, evaluate, print the metrics (the last line JSON)."""
+    split = split or _split_of_list(shards)
+    members, weights = zip(*ModelFolder.open(model_dir).members, strict=True)
     total, first = None, None
     # members with one CNN share its features (a cache computes them one image at a time: only
     # an ensemble gains)
@@ -291,28 +297,28 @@ def _evaluate(args: argparse.Namespace) -> None:
         if len(members) > 1:
             print(f"member {member.path.name} of {len(members)}", file=sys.stderr)
         model, cfg, vocab = member.load_model(), member.config, member.vocab
-        model.to(args.device)
-        cfg.data = dataclasses.replace(cfg.data, shards=args.shards, val_shards=None,
-                                       manifest=args.manifest, workers=args.workers)
-        cfg.eval.allow_incomplete = args.allow_incomplete
-        eval_set = load_eval_set(cfg, vocab, split, args.max_images, rank=0, world_size=1)
+        model.to(device)
+        cfg.data = dataclasses.replace(cfg.data, shards=shards, val_shards=None,
+                                       manifest=manifest, workers=workers)
+        cfg.eval.allow_incomplete = allow_incomplete
+        eval_set = load_eval_set(cfg, vocab, split, max_images, rank=0, world_size=1)
         _warn_other_boxes(member, cfg)
         cache = (caches.setdefault(cnn_fingerprint(model, cfg), FeatureCache())
                  if len(members) > 1 else None)
-        scores, embedded, line = score_eval_set(model, eval_set, cfg, args.device, progress=True,
+        scores, embedded, line = score_eval_set(model, eval_set, cfg, device, progress=True,
                                                 cache=cache)
         if first is None:
             total, first = scores.mul_(weight), embedded  # in place: one matrix held
         elif (embedded.image_ids, embedded.captions) != (first.image_ids, first.captions):
             raise IncompleteSplit(f"{member.path} read other images or captions than "
-                                  f"{members[0].path} from {args.shards}: an ensemble's members "
+                                  f"{members[0].path} from {shards}: an ensemble's members "
                                   "must see the same pairs")
         else:
             total.add_(scores, alpha=weight)
     metrics = split_metrics(total, first.sentence_image, cfg.eval.hodosh)
-    if args.save_scores:
+    if save_scores:
         save_file({"scores": total.contiguous(), "sentence_image": first.sentence_image},
-                  args.save_scores)
+                  save_scores)
     count = len(set(eval_set.split.urls))
     images = eval_set.images_read
     chance = {k: 100.0 * min(k, images) / images for k in RECALL_AT}
@@ -322,8 +328,8 @@ def _evaluate(args: argparse.Namespace) -> None:
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
                            for k in RECALL_AT)
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
-    print(json.dumps({"model": args.model, "members": len(members),
-                      "shards": redact(args.shards), "split": split, **metrics}))
+    print(json.dumps({"model": model_dir, "members": len(members),
+                      "shards": redact(shards), "split": split, **metrics}))
 
 
 def _warn_other_boxes(model: ModelFolder, cfg: Config) -> None:
