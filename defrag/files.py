@@ -26,10 +26,16 @@ def replaced_atomically(target: Path, temporary: Path | None = None) -> Iterator
     try:
         yield temporary
         if temporary.is_dir() and target.is_dir():  # a rename replaces an empty folder only:
-            retired = target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
-            os.replace(target, retired)  # the old folder moved aside whole, not half deleted
-            os.replace(temporary, target)
-            shutil.rmtree(retired)
+            # the old folder moved aside whole (a hidden name no `step-*`-like glob sees), never
+            # half deleted, and put back if the new one cannot take its place
+            retired = target.with_name(f".{target.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
+            os.replace(target, retired)
+            try:
+                os.replace(temporary, target)
+            except BaseException:
+                os.replace(retired, target)
+                raise
+            shutil.rmtree(retired, ignore_errors=True)  # the new folder is in place: done
         else:
             os.replace(temporary, target)
     except BaseException:
