@@ -17,17 +17,29 @@ from featurizer.synthetic import generate
 NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val shards
 
 
+def synthetic_shards(root: Path, num_train: int, num_val: int, shard_size: int) -> Path:
+    """`defrag featurize synthetic` of that many scenes (seed 0) into `root`."""
+    jsonl = generate(root / "source", num_train, num_val, seed=0)
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=root, parser="spacy", boxes="given", shard_size=shard_size,
+                       workers=1))
+    return root
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`defrag featurize synthetic --num-train 40 --num-val 10 --shard-size 5`, once."""
     if os.environ.get("DEFRAG_TEST_SHARDS"):
         return Path(os.environ["DEFRAG_TEST_SHARDS"])
-    root = tmp_path_factory.mktemp("synthetic")
-    jsonl = generate(root / "source", NUM_TRAIN, NUM_VAL, seed=0)
-    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
-              Settings(out=root, parser="spacy", boxes="given", shard_size=SHARD_SIZE,
-                       workers=1))
-    return root
+    return synthetic_shards(tmp_path_factory.mktemp("synthetic"), NUM_TRAIN, NUM_VAL, SHARD_SIZE)
+
+
+@pytest.fixture(scope="session")
+def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 training and 40 val scenes in shards of 25, once: enough for the captioner to learn
+    colours (the 40 of `shards` are too few) and for a loader process to outlive its rank's
+    first steps (40 fit in its read-ahead)."""
+    return synthetic_shards(tmp_path_factory.mktemp("scenes200"), 200, 40, 25)
 
 
 @pytest.fixture(scope="session")

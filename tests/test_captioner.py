@@ -20,9 +20,7 @@ import torch.nn.functional as F
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from featurizer.pipeline import Settings, featurize
-from featurizer.sources import read_jsonl
-from featurizer.synthetic import COLOURS, SHAPES, generate, make_scenes
+from featurizer.synthetic import COLOURS, SHAPES, make_scenes
 from tests import DEFRAG
 from tests.test_train_e2e import finish, tiny_config, torchrun
 from trainer.caption.captioner import Captioner
@@ -46,7 +44,7 @@ from trainer.training.preemption import REQUEST, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-VAL_SCENES = 40
+VAL_SCENES = 40  # those of tests/conftest.py's scenes_200
 SMALL = {"word_dim": 16, "attribute_dim": 16, "factors": 8, "candidates": 50}
 
 
@@ -193,16 +191,6 @@ def true_rate(captions: list[str], scenes: list) -> tuple[float, float]:
             and named_kinds <= kinds
         chance += len(colours) / len(COLOURS) * len(kinds) / len(SHAPES)
     return right / len(captions), chance / len(captions)
-
-
-@pytest.fixture(scope="module")
-def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """200 training and 40 val scenes (the session's 40 are too few to learn colours)."""
-    root = tmp_path_factory.mktemp("scenes200")
-    jsonl = generate(root / "source", 200, VAL_SCENES, seed=0)
-    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
-              Settings(out=root, parser="spacy", boxes="given", shard_size=25, workers=1))
-    return root
 
 
 def run(*command: str) -> str:

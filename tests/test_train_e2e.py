@@ -1,7 +1,7 @@
 """End to end: real 2-process torchrun trainings over real shards (DDP and DeepSpeed), MLflow
 tracking and registration, the evaluate command, a rank killed five times under
-`torchrun --max-restarts 5` that ends with the uninterrupted run's weights, and a killed loader
-process that stops the run with its name.
+`torchrun --max-restarts 5` that ends with the uninterrupted run's weights (rank 0's run_dir lock
+taken over by its restart), and a killed loader process that stops the run with its name.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,13 +22,11 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from featurizer.pipeline import Settings, featurize
-from featurizer.sources import read_jsonl
-from featurizer.synthetic import generate
 from tests import DEFRAG
 from trainer.evaluate import retrieval_metrics
 from trainer.store.model_folder import ModelFolder
 from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.run_lock import LOCK
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,15 +98,17 @@ def test_two_process_training_tracks_and_registers(tmp_path, shards, engine, req
 
 
 def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards, ddp_training):
-    """Rank 1 SIGKILLed at 5 random steps under `torchrun --max-restarts 5`: each restart resumes
-    from the newest checkpoint and the run ends with the uninterrupted run's weights (the
-    session's `ddp_training`, which saves no checkpoint mid-epoch), bit for bit (the same
-    trainings are bitwise reproducible: tests/test_remote_shards.py)."""
+    """A rank SIGKILLed at 5 random steps under `torchrun --max-restarts 5` (rank 1, and the
+    third time rank 0, which holds the run_dir lock): each restart resumes from the newest
+    checkpoint, the restarted rank 0 (a new pid) takes the lock of the one killed over, and the
+    run releases it and ends with the uninterrupted run's weights (the session's
+    `ddp_training`, which saves no checkpoint mid-epoch), bit for bit (the same trainings are
+    bitwise reproducible: tests/test_remote_shards.py)."""
     killed = tmp_path / "killed"
     killed.mkdir()
     process = torchrun(tiny_config(killed, shards, checkpoint_every_steps=2), restarts=5)
     pointer = killed / "run" / "checkpoints" / "latest"
-    chance, resumed_at = random.Random(0), 0
+    chance, resumed_at, lock_holder = random.Random(0), 0, None
     for restart in range(5):  # 20 steps of ~0.1-0.3 s in all, a checkpoint every 2
         deadline = time.monotonic() + 600
         while saved_step(pointer) <= resumed_at:  # the restarted run resumed and saved again
@@ -115,11 +116,18 @@ def test_a_rank_killed_five_times_resumes_to_the_same_weights(tmp_path, shards, 
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(chance.uniform(0.0, 0.15))  # then a random moment of the next step or two
-        os.kill(rank_process(process, rank=1, restart=restart).pid, signal.SIGKILL)
+        victim = rank_process(process, rank=0 if restart == 2 else 1, restart=restart)
+        if restart == 2:
+            lock_holder = victim.pid
+        os.kill(victim.pid, signal.SIGKILL)
         rank_process(process, rank=1, restart=restart + 1)  # torchrun restarted both ranks
         resumed_at = saved_step(pointer)
     output = finish(process)
     assert output.count("resumed from") == 2 * 5  # both ranks of each restart
+    assert (f"taking over the lock of host {socket.gethostname()} pid {lock_holder} "
+            in output), output[-4000:]
+    assert "that process no longer runs" in output
+    assert not (killed / "run" / LOCK).exists()
 
     want, got = final_weights(ddp_training[0]), final_weights(killed / "run")
     assert want.keys() == got.keys()
@@ -154,21 +162,11 @@ def rank_process(torchrun_process: subprocess.Popen, rank: int,
     raise AssertionError(f"no rank {rank} process under torchrun")
 
 
-@pytest.fixture(scope="module")
-def more_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """200 training images: a rank's loader process then outlives its first steps (it waits for
-    the training process to free a slot), where 40 fit in its read-ahead."""
-    root = tmp_path_factory.mktemp("synthetic200")
-    jsonl = generate(root / "source", 200, 10, seed=0)
-    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
-              Settings(out=root, parser="spacy", boxes="given", shard_size=25, workers=1))
-    return root
-
-
-def test_a_killed_loader_process_stops_the_run_with_its_name(tmp_path, more_shards):
+def test_a_killed_loader_process_stops_the_run_with_its_name(tmp_path, scenes_200):
     """One rank's loader process SIGKILLed: that rank names it and fails, torchrun stops the
-    other rank, and the run ends (non-zero) instead of hanging."""
-    process = torchrun(tiny_config(tmp_path, more_shards, checkpoint_every_steps=1))
+    other rank, and the run ends (non-zero) instead of hanging. 200 training images: the loader
+    process then outlives its first steps (it waits for the training process to free a slot)."""
+    process = torchrun(tiny_config(tmp_path, scenes_200, checkpoint_every_steps=1))
     pointer = tmp_path / "run" / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while not pointer.is_file():
