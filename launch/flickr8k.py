@@ -287,7 +287,7 @@ def train_and_evaluate(name: str, row: Row, results: dict) -> None:
 
 
 def evaluate_on_dev(model: Path, shards: str, scores: Path) -> str:
-    """`trainer.evaluate` of a model (or ensemble) folder on dev: its output, the last line JSON;
+    """`defrag evaluate` of a model (or ensemble) folder on dev: its output, the last line JSON;
     the score matrix saved to `scores`."""
     evaluate = [str(BIN / "defrag"), "evaluate", "--model", str(model),
                 "--shards", shards, "--split", "dev", "--save-scores", str(scores)]

@@ -63,7 +63,7 @@ class DeFragPyfunc(PythonModel):
         self.embedder: Embedder | None = None
         if self.folder.is_ensemble:
             self.unsupported = (f"an ensemble of {len(self.folder.members)} models",
-                                "defrag retrieve or trainer.evaluate")
+                                "defrag retrieve or defrag evaluate")
         elif self.folder.is_captioner:
             self.unsupported = ("a captioner", "defrag caption")
         else:
