@@ -2,7 +2,7 @@
 captions, each conditioned on its own sentence vector from a trained Kiros encoder (text only,
 as the paper trains it):
 
-    torchrun --nproc_per_node N -m trainer.caption.train \
+    torchrun --nproc_per_node N -m trainer.caption.train \\
         --config launch/configs/flickr8k-captioner.yaml
 
 Each rank reads the captions of its share of the training shards (no image is decoded), embeds
