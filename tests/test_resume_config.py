@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow import MlflowClient
 
+from tests import DEFRAG
 from tests.small_training import small_config
 from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
 from trainer.store.registry import RegistrationFailed, download_model
@@ -134,7 +134,8 @@ def test_a_finished_run_trained_further_registers_each_new_best(tmp_path: Path,
     assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
     blocker.unlink()
     later = shlex.split(failed.value.command)
-    done = subprocess.run([sys.executable, *later[1:]], cwd=ROOT, capture_output=True,
+    assert later[0] == "defrag"
+    done = subprocess.run([DEFRAG, *later[1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "models:/defrag/3"
