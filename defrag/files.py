@@ -1,5 +1,6 @@
 """Files written so that a kill never leaves a part (atomic writes) and folders whose every file is
-checked before use (checksums.json): checkpoints, model folders, the tracking spool."""
+checked before use (checksums.json): shards, manifests, vocabularies, caches, checkpoints, model
+folders, the tracking spool."""
 
 from __future__ import annotations
 
@@ -44,6 +45,20 @@ def replaced_atomically(target: Path, temporary: Path | None = None) -> Iterator
         else:
             temporary.unlink(missing_ok=True)
         raise
+
+
+def recover_replaced(folder: Path) -> None:
+    """Undo what a kill inside `replaced_atomically` left in `folder`: a retired folder whose new
+    copy never took its place is put back, any other retired folder and every temporary removed.
+    Only while nothing else writes to `folder` (a run's start)."""
+    for leftover in sorted(folder.glob(f"*{TEMPORARY}*")) if folder.is_dir() else []:
+        original = folder / leftover.name.partition(TEMPORARY)[0].removeprefix(".")
+        if leftover.name.startswith(".") and leftover.is_dir() and not original.exists():
+            os.replace(leftover, original)
+        elif leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def write_atomically(path: Path, data: bytes | str) -> None:

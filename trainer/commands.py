@@ -42,9 +42,12 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(usage())
         return
+    if not argv:
+        print(usage(), file=sys.stderr)
+        sys.exit(2)
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         sys.exit(f"defrag: error: no command {name!r}; the commands: {', '.join(COMMANDS)}")

@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 
 from defrag.files import (
     CHECKSUMS,
+    recover_replaced,
     replaced_atomically,
     verify_checksums,
     write_atomically,
@@ -178,10 +179,13 @@ def _as_saved(config: Config) -> dict:
 
 
 def clear_partial(run_dir: Path) -> None:
-    """Remove temporary folders a killed save left behind (never trusted, never resumed)."""
+    """Remove what a killed save left behind (never trusted, never resumed): its temporary
+    folders and files, and a replaced checkpoint's old copy (put back if the new one is not
+    there)."""
     root = checkpoints_dir(run_dir)
     for leftover in root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []:
         shutil.rmtree(leftover, ignore_errors=True)
+    recover_replaced(root)
 
 
 @contextmanager
