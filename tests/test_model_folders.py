@@ -5,6 +5,7 @@ that lead out of the folder; and a folder read once by what uses it."""
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -17,12 +18,16 @@ from tests.test_registry import VOCAB_WORDS, rewrite_checksums, tiny_model
 from trainer.search.embedder import Embedder
 from trainer.store import model_folder
 from trainer.store.model_folder import (
+    CAPTIONER,
+    CAPTIONER_ENCODER,
+    MODEL_FORMAT,
     VOCAB,
     WEIGHTS,
     ModelFolder,
     ModelFolderError,
     save_model_folder,
 )
+from trainer.store.registry import main as registry_main
 
 
 def torch_save(state: dict, **kwargs: object) -> bytes:
@@ -104,3 +109,29 @@ def test_an_embedder_hashes_its_folder_once(saved: Path, monkeypatch: pytest.Mon
     embedder = Embedder.from_folder(ModelFolder.open(saved))
     assert sorted(hashed) == sorted(path.name for path in saved.iterdir())
     assert embedder.model_key == files.sha256_file(saved / "checksums.json")
+
+
+def captioner_shaped(root: Path, encoder: Path) -> Path:
+    """A folder laid out as a captioner (captioner.json naming its encoder/ by checksums key,
+    its own checksums), around a copy of `encoder`: what the store checks of a captioner."""
+    folder = root / "captioner"
+    shutil.copytree(encoder, folder / CAPTIONER_ENCODER)
+    key = ModelFolder.open(encoder).checksums_key
+    (folder / CAPTIONER).write_text(json.dumps({"encoder_checksums_sha256": key}))
+    files.write_checksums(folder, format=MODEL_FORMAT)
+    return folder
+
+
+def test_registry_verify_refuses_a_captioner_with_another_encoder_or_an_extra_folder(
+        saved: Path, tmp_path: Path) -> None:
+    folder = captioner_shaped(tmp_path, saved)
+    registry_main(["verify", str(folder)])  # intact
+    other, config = tiny_model(seed=4)
+    shutil.rmtree(folder / CAPTIONER_ENCODER)
+    save_model_folder(folder / CAPTIONER_ENCODER, other, config, VOCAB_WORDS)
+    with pytest.raises(SystemExit, match="is not the encoder captioner.json records"):
+        registry_main(["verify", str(folder)])
+    extra = captioner_shaped(tmp_path / "extra", saved)
+    shutil.copytree(saved, extra / "extra")
+    with pytest.raises(SystemExit, match=r"holds the folders \['encoder', 'extra'\]; a captioner"):
+        registry_main(["verify", str(extra)])

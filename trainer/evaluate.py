@@ -328,7 +328,7 @@ def evaluate_folder(model_dir: str, shards: str, split: str | None = None, *,
         recalls = " ".join(f"R@{k} {metrics[f'{direction}_r{k}']:5.1f} (chance {chance[k]:.1f})"
                            for k in RECALL_AT)
         print(f"{name:>16}: {recalls}  med r {metrics[f'{direction}_medr']:.0f}")
-    print(json.dumps({"model": model_dir, "members": len(members),
+    print(json.dumps({"model": str(model_dir), "members": len(members),
                       "shards": redact(shards), "split": split, **metrics}))
 
 

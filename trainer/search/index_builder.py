@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
 
+
 @dataclass(frozen=True)
 class Unit:
     """A unit of work of the builder: some files of a folder, or one shard."""

@@ -66,11 +66,10 @@ log = logging.getLogger(__name__)
 class RetrievalRequest:
     """What `defrag retrieve` is asked (its flags, as main checked them): the model (or
     ensemble) folder; what to search (a folder of `images`, a file of `sentences`, one a line,
-    or an `index`); the
-    sentences that rank the images (`query`), the images that rank the sentences
-    (`query_image`), or with words taken from them and added to them the images (`minus`,
-    `plus`: Kiros et al.'s eq. 15); the embedding cache (`index_dir`); where to draw Figure 4
-    (`explain`); the box source and parser (default: the model's training shards')."""
+    or an `index`); the sentences that rank the images (`query`), the images that rank the
+    sentences (`query_image`), or with words taken from them and added to them the images
+    (`minus`, `plus`: Kiros et al.'s eq. 15); the embedding cache (`index_dir`); where to draw
+    Figure 4 (`explain`); the box source and parser (default: the model's training shards')."""
 
     model: Path
     images: Path | None = None

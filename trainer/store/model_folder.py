@@ -48,6 +48,7 @@ MODEL_KIND, ENSEMBLE_KIND, CAPTIONER_KIND = "model", "ensemble", "captioner"  # 
 ENSEMBLE = "ensemble.json"  # an ensemble folder: its members, whose scores are summed weighted
 MEMBER = "member-{}"  # an ensemble's member folders, numbered from 0
 CAPTIONER = "captioner.json"  # a captioner folder's record (trainer/caption/captioner.py)
+CAPTIONER_ENCODER = "encoder"  # a captioner's one model subfolder, whose key the record holds
 WEIGHTS, CONFIG, VOCAB, METRICS = "weights.safetensors", "config.json", "vocab.json", "metrics.json"
 FEATURIZER = "featurizer.json"  # parser and box source of the training shards, when known
 REQUIRED_FILES = (WEIGHTS, CONFIG, VOCAB)
@@ -84,10 +85,7 @@ class ModelFolder:
         if (path / ENSEMBLE).is_file():
             return cls._open_ensemble(path)
         if (path / CAPTIONER).is_file():
-            verify_checksums(path, ModelFolderError, "model folder", ADVICE, subfolders=True,
-                             format=MODEL_FORMAT)
-            parts = {sub.name: cls.open(sub) for sub in sorted(path.iterdir()) if sub.is_dir()}
-            return cls(path, _checksums_key(path), CAPTIONER_KIND, parts)
+            return cls._open_captioner(path)
         listed = verify_checksums(path, ModelFolderError, "model folder", ADVICE,
                                   format=MODEL_FORMAT)["files"]
         for name in REQUIRED_FILES:
@@ -99,6 +97,26 @@ class ModelFolder:
                                    "safetensors only, never unpickled: export the model again "
                                    "with trainer.store.model_folder.save_model_folder")
         return cls(path, _checksums_key(path), MODEL_KIND)
+
+    @classmethod
+    def _open_captioner(cls, path: Path) -> ModelFolder:
+        """A captioner folder: its own files, then its one model subfolder, the encoder whose
+        checksums key `captioner.json` records (the rest of the record: trainer/caption)."""
+        verify_checksums(path, ModelFolderError, "model folder", ADVICE, subfolders=True,
+                         format=MODEL_FORMAT)
+        present = sorted(sub.name for sub in path.iterdir() if sub.is_dir())
+        if present != [CAPTIONER_ENCODER]:
+            raise ModelFolderError(f"{path} holds the folders {present}; a captioner holds only "
+                                   f"{CAPTIONER_ENCODER}/; {ADVICE}")
+        try:
+            recorded = json.loads((path / CAPTIONER).read_text())["encoder_checksums_sha256"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ModelFolderError(f"{path / CAPTIONER} is malformed ({err!r}); {ADVICE}") from err
+        encoder = cls.open(path / CAPTIONER_ENCODER)
+        if encoder.checksums_key != recorded:
+            raise ModelFolderError(f"{encoder.path} is not the encoder {CAPTIONER} records (other "
+                                   f"checksums); {ADVICE}")
+        return cls(path, _checksums_key(path), CAPTIONER_KIND, {CAPTIONER_ENCODER: encoder})
 
     @classmethod
     def _open_ensemble(cls, path: Path) -> ModelFolder:
