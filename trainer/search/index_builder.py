@@ -3,6 +3,8 @@ in several processes, resumably, then write the index's files.
 
     defrag index --model DIR --images FOLDER --out INDEX [--sentences FILE]
     defrag index --model DIR --shards URL --split val --out INDEX
+    defrag index ... --task I --tasks N    (or in a SLURM array task, a torchrun rank)
+    defrag index --merge --out INDEX       (once every task has run)
 
 The work is cut into units (256 files of a folder, or one shard); each finished unit is a
 part file in INDEX/parts/, so a rerun of the same command resumes from them (a file changed since
@@ -10,17 +12,23 @@ is embedded again with its unit); the parts are merged in unit order into the in
 removed once index.json is written. The images of a --shards collection are written to
 INDEX/files/ (a folder collection is served from its folder). The sentences are those of a
 --sentences file, else the captions of --shards.
+
+Split into N tasks (defrag/tasks.py), task I embeds the units u with u % N = I and records the
+build in INDEX/parts/build.json; `--merge` then writes the index from the parts, as one process
+does after embedding them all (launch/README.md, "Index on SLURM or torchrun").
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +39,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
-from defrag.files import write_atomically
+from defrag.files import TEMPORARY, write_atomically
 from defrag.images import DECODER_VERSION
+from defrag.tasks import WHOLE_JOB, Task, add_task_flags, task_from
 from defrag.urls import redact
 from trainer.batch import owners
 from trainer.data.reader import BadSample, Notes, ReadOptions, shard_samples
@@ -48,12 +57,14 @@ from trainer.search.embedder import (
 )
 from trainer.search.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
 from trainer.search.fragment_set import FragmentSet
-from trainer.search.index import INDEX_FORMAT, load_one_model, write_collection
+from trainer.search.index import INDEX_FORMAT, IndexMismatch, load_one_model, write_collection
 from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
 UNIT_FILES = 256  # images of a folder per unit of work (a part file, a resume point)
+BUILD_FLAGS = ("model", "images", "shards", "split", "manifest", "sentences", "follow_links",
+               "boxes", "detector_weights", "parser", "task", "tasks")  # what --merge reads
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,15 @@ class Unit:
         """What the unit's part records (credentials in its URL masked)."""
         return ({"shard": redact(dataclasses.asdict(self.shard))} if self.shard
                 else {"files": [list(stamp) for stamp in self.files]})
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.describe())
+
+
+def _digest(description: dict[str, Any]) -> str:
+    """A unit's description in 64 characters (parts/build.json lists every unit's)."""
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
 
 _WORKER: dict[str, Any] = {}  # a builder process's embedder and settings (`_start_worker`)
@@ -167,10 +187,12 @@ def _no_images(embedder: Embedder) -> FragmentSet:
 def build(model: Path, out: Path, *, images: Path | None = None, shards: str | None = None,
           split: str = "val", manifest: str | None = None, sentences: Path | None = None,
           follow_links: bool = False, workers: int = 1, boxes: str | None = None,
-          detector_weights: str | None = None, parser: str | None = None) -> dict[str, Any]:
-    """Embed the folder `images`, or the `split` of `shards`, with `model` into the index folder
-    `out` (resuming from its parts/), then write the index; its summary. `sentences`: a file of
-    sentences to index instead of the shards' captions; the rest as `defrag index`'s flags."""
+          detector_weights: str | None = None, parser: str | None = None,
+          task: Task = WHOLE_JOB) -> dict[str, Any]:
+    """Embed `task`'s units of the folder `images`, or of the `split` of `shards`, with `model`
+    into the index folder `out` (resuming from its parts/); then, when `task` is the whole job,
+    write the index (else `merge` does, once every task has run); its summary. `sentences`: a
+    file of sentences to index instead of the shards' captions; the rest as the flags'."""
     opened = ModelFolder.open(model)
     embedder = load_one_model(opened, boxes, detector_weights, parser)
     out = Path(out)
@@ -190,14 +212,20 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
         links, skipped = {}, []
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
            "decoder": DECODER_VERSION, "source": source}
-    parts = _parts_folder(out, key)
+    record = {"key": key, "model": str(Path(model).resolve()), "boxes": boxes,
+              "detector_weights": detector_weights, "parser": parser,
+              "sentences": str(Path(sentences).resolve()) if sentences else None,
+              "image_folder": str(image_folder), "links": links, "skipped": skipped,
+              "tasks": task.count, "units": [[unit.size, unit.digest] for unit in units]}
+    parts = _parts_folder(out, record, replace_other=task.count == 1)
     (out / "files").mkdir(exist_ok=True)
-    todo = [unit for unit in units if not _unit_done(parts, unit)]
-    if len(todo) < len(units):
-        log.info("resuming: %d of %d units embedded already", len(units) - len(todo), len(units))
+    mine = [unit for unit in units if task.owns(unit.number)]
+    todo = [unit for unit in mine if not _unit_done(parts, unit.number, unit.digest)]
+    if len(todo) < len(mine):
+        log.info("resuming: %d of %d units embedded already", len(mine) - len(todo), len(mine))
     options = ReadOptions(verify="local")
-    with tqdm(total=sum(unit.size for unit in units), initial=sum(
-            unit.size for unit in units if unit not in todo), desc="index images",
+    with tqdm(total=sum(unit.size for unit in mine), initial=sum(
+            unit.size for unit in mine if unit not in todo), desc="index images",
             unit="img") as bar:
         if workers <= 1 or len(todo) <= 1:
             _use(embedder, out, image_folder, options)
@@ -211,8 +239,48 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
             with context.Pool(workers, _start_worker, settings) as pool:
                 for _, size in pool.imap_unordered(_embed_unit, todo):
                     bar.update(size)
-    return _write_index(out, units, key, embedder, model, sentences, image_folder, links,
-                        skipped)
+    if task.count > 1:
+        log.info("task %d of %d: its %d units are embedded; `defrag index --merge --out %s` "
+                 "writes the index once every task has run", task.index, task.count, len(mine),
+                 out)
+        return {"index": str(out), "task": task.index, "tasks": task.count, "units": len(mine),
+                "embedded": len(todo)}
+    return _merge(out, record, embedder)
+
+
+def merge(out: Path) -> dict[str, Any]:
+    """Write the index of the build whose tasks embedded their units into out/parts/, with the
+    settings they recorded there (parts/build.json); its summary."""
+    stamp = Path(out) / "parts" / "build.json"
+    if not stamp.is_file():
+        raise RetrievalError(f"no task of a build has run in {out} (no parts/build.json): run "
+                             "its tasks first")
+    record = json.loads(stamp.read_text())
+    embedder = load_one_model(ModelFolder.open(Path(record["model"])), record["boxes"],
+                              record["detector_weights"], record["parser"])
+    if embedder.model_key != record["key"]["model"]:
+        raise IndexMismatch(f"{record['model']} has changed since the tasks embedded with it "
+                            f"(checksums key {embedder.model_key[:16]}..., theirs "
+                            f"{record['key']['model'][:16]}...): run the build again")
+    return _merge(Path(out), record, embedder)
+
+
+def _merge(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
+    """`_write_index` once every unit `record` lists is embedded; else one line naming the
+    units missing and the tasks that own them."""
+    tasks, missing = record["tasks"], {}
+    for number, (_, digest) in enumerate(record["units"]):
+        if not _unit_done(out / "parts", number, digest):
+            missing.setdefault(number % tasks, []).append(number)
+    if missing:
+        named = "; ".join(f"unit{'s' * (len(units) > 1)} {', '.join(map(str, units[:10]))}"
+                          f"{', ...' * (len(units) > 10)} (task {task} of {tasks})"
+                          for task, units in sorted(missing.items()))
+        raise RetrievalError(f"{out}: {sum(map(len, missing.values()))} of "
+                             f"{len(record['units'])} units are not embedded yet: {named}: run "
+                             "those tasks again (each skips the units it finished), then the "
+                             "merge")
+    return _write_index(out, record, embedder)
 
 
 def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, str], list[str]]:
@@ -233,36 +301,60 @@ def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, 
     return kept, links, skipped
 
 
-def _parts_folder(out: Path, key: dict[str, Any]) -> Path:
-    """out/parts for this build: kept when an earlier build of the same key left it."""
+def _parts_folder(out: Path, record: dict[str, Any], replace_other: bool) -> Path:
+    """out/parts for the build `record` describes (written into its build.json): kept when it
+    holds this build's parts (an earlier run's, other tasks'); another build's are removed
+    when `replace_other` (one process does the whole build), else refused: a task cannot tell
+    them from those of another task of a new build that started at the same moment."""
     parts = out / "parts"
-    stamp = parts / "build.json"
-    if parts.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()) != key):
+    if replace_other and parts.exists() and _build_key(parts) != record["key"]:
         log.info("%s holds parts of another build (model, boxes, parser or source): "
                  "starting again", parts)
         shutil.rmtree(parts)
-    parts.mkdir(parents=True, exist_ok=True)
-    write_atomically(stamp, json.dumps(key))
+    if not parts.exists():
+        _create_parts(parts, record)
+    if _build_key(parts) != record["key"]:
+        raise RetrievalError(f"{parts} holds the parts of another build (model, boxes, parser "
+                             "or source): remove it, or build into another --out")
+    write_atomically(parts / "build.json", json.dumps(record))
     return parts
 
 
-def _unit_done(parts: Path, unit: Unit) -> bool:
-    """Whether an earlier build embedded `unit` (its JSON, written last, describes it)."""
-    done = parts / f"{unit.number:06d}.json"
-    return done.is_file() and json.loads(done.read_text())["unit"] == json.loads(
-        json.dumps(unit.describe()))
+def _create_parts(parts: Path, record: dict[str, Any]) -> None:
+    """parts/ created whole, its build.json in it (a task never sees it without one); the
+    first of the tasks starting at the same moment creates it, the others find it."""
+    fresh = parts.with_name(f"{parts.name}{TEMPORARY}{uuid.uuid4().hex[:8]}")
+    fresh.mkdir(parents=True)
+    (fresh / "build.json").write_text(json.dumps(record))
+    try:
+        fresh.rename(parts)  # fails onto a folder with files: another task's came first
+    except OSError:
+        shutil.rmtree(fresh)
+        if not parts.exists():
+            raise
 
 
-def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Embedder,
-                 model: Path, sentence_file: Path | None, image_folder: Path,
-                 links: dict[str, str], skipped: list[str]) -> dict[str, Any]:
+def _build_key(parts: Path) -> dict[str, Any] | None:
+    """The key (model, boxes, parser, decoder, source) of the build parts/ holds."""
+    stamp = parts / "build.json"
+    return json.loads(stamp.read_text()).get("key") if stamp.is_file() else None
+
+
+def _unit_done(parts: Path, number: int, digest: str) -> bool:
+    """Whether unit `number` is embedded as `digest` describes it (its JSON is written last)."""
+    done = parts / f"{number:06d}.json"
+    return done.is_file() and _digest(json.loads(done.read_text())["unit"]) == digest
+
+
+def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
     """Merge the parts (in unit order) into the index files; index.json last, parts removed.
-    `links`: the followed links out of the folder and their targets; `skipped`: those not."""
+    `record`: the build (parts/build.json), with the followed links out of the folder and their
+    targets (`links`) and a line for each link not followed (`skipped`)."""
     image_parts = [_no_images(embedder)]
-    sentence_parts, problems, origins = [], list(skipped), []
-    for unit in units:
-        meta = json.loads((out / "parts" / f"{unit.number:06d}.json").read_text())
-        tensors = load_file(out / "parts" / f"{unit.number:06d}.st")
+    sentence_parts, problems, origins = [], list(record["skipped"]), []
+    for number in range(len(record["units"])):
+        meta = json.loads((out / "parts" / f"{number:06d}.json").read_text())
+        tensors = load_file(out / "parts" / f"{number:06d}.st")
         image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
                                        tensors["detail"]))
         problems += meta["problems"]
@@ -272,8 +364,9 @@ def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Em
             origins += meta["sentence_origins"]
     images = FragmentSet.concat(image_parts)
     if not images.items:
-        raise RetrievalError(f"none of the {sum(u.size for u in units)} images could be used "
-                             f"({problems[:3]}...)")
+        raise RetrievalError(f"none of the {sum(size for size, _ in record['units'])} images "
+                             f"could be used ({problems[:3]}...)")
+    sentence_file = record["sentences"]
     if sentence_file:
         texts, lines = read_sentences(Path(sentence_file))
         sentences = _embed_sentence_file(texts, embedder)
@@ -284,8 +377,8 @@ def _write_index(out: Path, units: list[Unit], key: dict[str, Any], embedder: Em
     write_collection(out, "images", images, score)
     if sentences is not None:
         write_collection(out, "sentences", sentences, score)
-    meta = {"format": INDEX_FORMAT, **key, "model_dir": str(Path(model).resolve()),
-            "image_folder": str(image_folder), "links": links, "score": score,
+    meta = {"format": INDEX_FORMAT, **record["key"], "model_dir": record["model"],
+            "image_folder": record["image_folder"], "links": record["links"], "score": score,
             "images": images.items,
             "sentences": sentences.items if sentences is not None else [],
             "sentence_origins": origins, "problems": problems}
@@ -304,14 +397,15 @@ def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`defrag index ...`: build (or finish) an index; a summary line of JSON."""
+    """`defrag index ...`: build an index, a task's share of one, or merge the tasks' parts; a
+    summary line of JSON."""
     parser = argparse.ArgumentParser(prog="defrag index", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path, help="model folder")
-    where = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("--model", type=Path, help="model folder")
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--images", type=Path, help="folder of JPEG / PNG images")
     where.add_argument("--shards", help="featurizer output folder, its URL, or a shard list")
-    parser.add_argument("--split", default="val", help="split of --shards (default: val)")
+    parser.add_argument("--split", help="split of --shards (default: val)")
     parser.add_argument("--manifest", help="the shards' manifest.json (path or URL)")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
     parser.add_argument("--follow-links", action="store_true",
@@ -324,13 +418,31 @@ def main(argv: list[str] | None = None) -> None:
                         help="box source for --images (default: the model's training shards')")
     parser.add_argument("--detector-weights", help="state-dict file for --boxes detector")
     parser.add_argument("--parser", choices=("stanza", "spacy"), help="dependency parser")
+    add_task_flags(parser)
+    parser.add_argument("--merge", action="store_true",
+                        help="write the index of a build split into tasks once every task has "
+                             "run, with the settings they recorded (give it only --out)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
+    if args.merge and any(getattr(args, name) not in (None, False) for name in BUILD_FLAGS):
+        parser.error("--merge reads the build's settings from INDEX/parts/build.json: give it "
+                     "only --out")
+    if not args.merge and not (args.model and (args.images or args.shards)):
+        parser.error("--model and one of --images / --shards are required (or --merge)")
+    try:
+        task = WHOLE_JOB if args.merge else task_from(args.task, args.tasks)
+    except ValueError as err:
+        parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     with one_line_errors(parser.prog, args.debug):
-        summary = build(args.model, args.out, images=args.images, shards=args.shards,
-                        split=args.split, manifest=args.manifest, sentences=args.sentences,
-                        follow_links=args.follow_links, workers=args.workers, boxes=args.boxes,
-                        detector_weights=args.detector_weights, parser=args.parser)
+        summary = merge(args.out) if args.merge else build(
+            args.model, args.out, images=args.images, shards=args.shards,
+            split=args.split or "val", manifest=args.manifest, sentences=args.sentences,
+            follow_links=args.follow_links, workers=args.workers, boxes=args.boxes,
+            detector_weights=args.detector_weights, parser=args.parser, task=task)
     print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
 

@@ -1,0 +1,263 @@
+"""`defrag index` split across tasks (defrag/tasks.py): each task embeds its share of the units
+into INDEX/parts/ and `--merge` writes the index, the same bytes as a one-process build; a
+merge with a task missing names it, and a task never removes parts it did not write. Real
+engines: a SLURM job array (launch/slurm/index.sbatch, on the real slurmctld of
+tests/test_slurm.py) and torchrun's ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import trainer.search.index_builder as index_builder
+from defrag.tasks import Task, task_from
+from defrag.vocab import Vocabulary
+from featurizer.pipeline import Settings, featurize
+from featurizer.sources import read_jsonl
+from featurizer.synthetic import generate
+from tests.test_arithmetic import one_thread
+from tests.test_slurm import ENDED, ROOT, job_field, slurm, tool, wait_for  # noqa: F401
+from trainer.config import Config, DataConfig, ModelConfig
+from trainer.data.shardset import training_featurizer
+from trainer.model import DeFragModel
+from trainer.search.index import SearchIndex
+from trainer.store.model_folder import save_model_folder
+
+INDEX_FILES = ("index.json", "images.safetensors", "images.faiss", "sentences.safetensors",
+               "sentences.faiss")
+
+
+@dataclass
+class Collection:
+    """12 generated scenes (64 px): their folder and captions file, their val split as 4
+    shards of 2 (4 units of work), and an untrained tiny fragments model."""
+
+    model: Path
+    images: Path
+    sentences: Path
+    shards: Path
+    captions: list[str]
+
+
+@pytest.fixture(scope="module")
+def collection(tmp_path_factory: pytest.TempPathFactory) -> Collection:
+    root = tmp_path_factory.mktemp("index-build")
+    jsonl = generate(root / "source", num_train=4, num_val=8, seed=0, image_size=64)
+    shards = root / "shards"
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=shards, parser="spacy", boxes="fullframe", shard_size=2, workers=1,
+                       min_word_count=1))
+    vocab = Vocabulary.load(shards / "vocab.json")
+    cfg = Config(model=ModelConfig(embed_dim=16, word_dim=8, pretrained=False, image_size=64),
+                 data=DataConfig(shards=str(shards), val_split="val"))
+    model = save_model_folder(root / "model", DeFragModel.from_config(cfg.model, vocab, seed=0),
+                              cfg, vocab, featurizer=training_featurizer(cfg.data))
+    captions = [c for line in jsonl.read_text().splitlines() for c in json.loads(line)["captions"]]
+    sentences = root / "sentences.txt"
+    sentences.write_text("".join(f"{c}\n" for c in captions))
+    return Collection(model, root / "source" / "images", sentences, shards, captions)
+
+
+def index(*argv: str | Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    """`defrag index ARGV` in this process; its summary line."""
+    index_builder.main([str(arg) for arg in argv])
+    return json.loads(capsys.readouterr().out.splitlines()[-1])
+
+
+def assert_same_index(built: Path, reference: Path) -> None:
+    """The same bytes, but for where each index keeps the images of shards (its files/)."""
+    for name in INDEX_FILES:
+        ours, theirs = (folder.joinpath(name).read_bytes() for folder in (built, reference))
+        if name == "index.json":
+            ours, theirs = (text.replace(str(folder / "files").encode(), b"FILES")
+                            for text, folder in ((ours, built), (theirs, reference)))
+        assert ours == theirs, name
+    files = sorted(path.name for path in (reference / "files").iterdir())
+    assert sorted(path.name for path in (built / "files").iterdir()) == files
+    for name in files:
+        assert (built / "files" / name).read_bytes() == (reference / "files" / name).read_bytes()
+    assert not (built / "parts").exists()
+
+
+@pytest.fixture(scope="module")
+def one_process(collection: Collection, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The val shards indexed by one process on one thread, as the engines' tasks embed
+    (OMP_NUM_THREADS=1): the reference of their builds. Other threads, other float rounding."""
+    out = tmp_path_factory.mktemp("one-process") / "index"
+    with one_thread():
+        index_builder.main(["--model", str(collection.model), "--shards", str(collection.shards),
+                            "--split", "val", "--out", str(out), "--workers", "1"])
+    return out
+
+
+def test_tasks_then_a_merge_build_what_one_process_does(collection: Collection, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys) -> None:
+    """12 images in units of 5: task 0 of 2 embeds units 0 and 2, task 1 unit 1; neither
+    writes the index; the merge (given only --out) writes the one-process build's bytes."""
+    monkeypatch.setattr(index_builder, "UNIT_FILES", 5)
+    source = ["--model", collection.model, "--images", collection.images, "--sentences",
+              collection.sentences, "--workers", "1", "--out"]
+    whole = index(*source, tmp_path / "whole", capsys=capsys)
+    assert whole["images"] == 12 and whole["sentences"] == len(collection.captions)
+    split = tmp_path / "split"
+    for task in (1, 0):
+        summary = index(*source, split, "--task", task, "--tasks", 2, capsys=capsys)
+        assert summary == {"index": str(split), "task": task, "tasks": 2,
+                           "units": [2, 1][task], "embedded": [2, 1][task]}
+        assert not (split / "index.json").exists()
+    again = index(*source, split, "--task", 0, "--tasks", 2, capsys=capsys)
+    assert again["embedded"] == 0  # a rerun resumes: its units are done
+    assert index("--merge", "--out", split, capsys=capsys) == whole | {"index": str(split)}
+    assert_same_index(split, tmp_path / "whole")
+
+
+def test_a_merge_with_a_task_missing_names_it(collection: Collection, tmp_path: Path,
+                                              capsys) -> None:
+    out = tmp_path / "index"
+    with pytest.raises(SystemExit, match=rf"no task of a build has run in {out} \(no "
+                                         "parts/build.json\\): run its tasks first"):
+        index_builder.main(["--merge", "--out", str(out)])
+    index("--model", collection.model, "--shards", collection.shards, "--split", "val",
+          "--workers", "1", "--out", out, "--task", 0, "--tasks", 2, capsys=capsys)
+    with pytest.raises(SystemExit) as failed:
+        index_builder.main(["--merge", "--out", str(out)])
+    assert str(failed.value) == (
+        f"defrag index: error: {out}: 2 of 4 units are not embedded yet: units 1, 3 (task 1 of "
+        "2): run those tasks again (each skips the units it finished), then the merge "
+        "(--debug shows the traceback)")
+    assert not (out / "index.json").exists() and len(list((out / "parts").glob("*.st"))) == 2
+    with pytest.raises(SystemExit):
+        index_builder.main(["--merge", "--out", str(out), "--model", str(collection.model)])
+    assert capsys.readouterr().err.endswith(
+        "error: --merge reads the build's settings from INDEX/parts/build.json: give it only "
+        "--out\n")
+
+
+def test_a_task_never_removes_the_parts_of_another_build(collection: Collection, tmp_path: Path,
+                                                         capsys) -> None:
+    """Another build's parts (here: of the shards, not the folder) may be another task's
+    started at the same moment: a task refuses to start, a one-process build replaces them."""
+    out = tmp_path / "index"
+    index("--model", collection.model, "--shards", collection.shards, "--split", "val",
+          "--workers", "1", "--out", out, "--task", 0, "--tasks", 2, capsys=capsys)
+    before = sorted(path.name for path in (out / "parts").iterdir())
+    folder = ["--model", str(collection.model), "--images", str(collection.images),
+              "--workers", "1", "--out", str(out)]
+    with pytest.raises(SystemExit, match=rf"{out / 'parts'} holds the parts of another build "
+                                         r"\(model, boxes, parser or source\): remove it, or "
+                                         "build into another --out"):
+        index_builder.main([*folder, "--task", "1", "--tasks", "2"])
+    assert sorted(path.name for path in (out / "parts").iterdir()) == before
+    assert index(*folder, capsys=capsys)["images"] == 12  # one process: the whole build
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, Task(0, 1)),
+    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_COUNT": "4"},
+     Task(1, 4)),
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "3",
+      "SLURM_ARRAY_TASK_COUNT": "3"}, Task(2, 3)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, Task(1, 2)),
+    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "1"}, Task(0, 1)),
+])
+def test_a_task_comes_from_slurm_or_torchrun(environ: dict[str, str], expected: Task) -> None:
+    assert task_from(None, None, environ) == expected
+    assert task_from(1, 3, environ) == Task(1, 3)  # the flags win
+    assert task_from(None, 1, environ) == Task(0, 1)  # one task: the whole build, here
+
+
+@pytest.mark.parametrize("task,tasks,environ,message", [
+    (2, 2, {}, "--task 2 is not one of the 2 tasks: 0 to 1"),
+    (0, None, {}, "--task needs --tasks N"),
+    (None, 3, {}, "--tasks 3 needs --task I"),
+    (None, 0, {}, "--tasks 0: at least 1"),
+    (None, None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1",
+                  "SLURM_ARRAY_TASK_COUNT": "3"},
+     "SLURM array task 5 is not one of 3 evenly spaced ids from 1: submit the array as "
+     "--array=0-2, or pass --task I --tasks N"),
+    (None, None, {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2", "RANK": "0",
+                  "WORLD_SIZE": "2"},
+     "both a SLURM array task and a torchrun rank: pass --task I --tasks N"),
+])
+def test_a_bad_task_gets_one_line(task: int | None, tasks: int | None, environ: dict[str, str],
+                                  message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        task_from(task, tasks, environ)
+    assert str(refused.value) == message
+
+
+def same_searches(built: Path, reference: Path, model: Path, captions: list[str]) -> None:
+    """The same items, and the same results for a few sentence and image queries."""
+    ours, theirs = SearchIndex.open(built, model=model), SearchIndex.open(reference, model=model)
+    assert ours.meta["images"] == theirs.meta["images"]
+    assert ours.meta["sentences"] == theirs.meta["sentences"]
+    for text in captions[:4]:
+        assert ours.images_for(text, k=5) == theirs.images_for(text, k=5)
+    for name in ours.meta["images"][:3]:
+        assert ours.sentences_for_image(name, k=5) == theirs.sentences_for_image(name, k=5)
+
+
+@pytest.mark.slow
+def test_a_slurm_array_builds_what_one_process_does(slurm, collection: Collection,  # noqa: F811
+                                                    one_process: Path, tmp_path: Path) -> None:
+    """`sbatch --array=3-4` (task ids not from 0) of launch/slurm/index.sbatch, then the merge
+    job, `--dependency=afterok` on the array; launch/README.md documents the two commands."""
+    out, script = tmp_path / "index", str(ROOT / "launch/slurm/index.sbatch")
+    env = {**slurm, "OMP_NUM_THREADS": "1"}
+    submitted = []
+
+    def sbatch(*argv: str) -> str:
+        job = subprocess.run([tool("sbatch"), "--parsable", *argv], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        submitted.append(job.split(";")[0])
+        return submitted[-1]
+
+    try:
+        array = sbatch("--array=3-4", f"--output={tmp_path}/task-%a.out", script, "--model",
+                       str(collection.model), "--shards", str(collection.shards), "--split",
+                       "val", "--workers", "1", "--out", str(out))
+        merge = sbatch(f"--dependency=afterok:{array}", f"--output={tmp_path}/merge.out",
+                       script, "--merge", "--out", str(out))
+        wait_for(lambda: job_field(slurm, merge, "JobState") in ENDED, 300, "the merge job",
+                 tmp_path / "merge.out")
+    finally:
+        for job in submitted:
+            subprocess.run([tool("scancel"), job], env=env, capture_output=True)
+    logs = "".join(path.read_text() for path in sorted(tmp_path.glob("*.out")))
+    assert job_field(slurm, merge, "JobState") == "COMPLETED", logs[-4000:]
+    for task in (3, 4):
+        summary = json.loads((tmp_path / f"task-{task}.out").read_text().splitlines()[-1])
+        assert (summary["task"], summary["tasks"], summary["units"]) == (task - 3, 2, 2)
+    assert_same_index(out, one_process)
+    same_searches(out, one_process, collection.model, collection.captions)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_build_what_one_process_does(collection: Collection, one_process: Path,
+                                                    tmp_path: Path) -> None:
+    """Two ranks started at the same moment (both create parts/), then the merge."""
+    out = tmp_path / "index"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+         "trainer.search.index_builder", "--model", str(collection.model), "--shards",
+         str(collection.shards), "--split", "val", "--workers", "1", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert ranks.returncode == 0, ranks.stdout[-3000:] + ranks.stderr[-3000:]
+    summaries = sorted((summary["task"], summary["tasks"], summary["units"]) for summary in map(
+        json.loads, (line for line in ranks.stdout.splitlines() if line.startswith("{"))))
+    assert summaries == [(0, 2, 2), (1, 2, 2)] and not (out / "index.json").exists()
+    merge = subprocess.run([shutil.which("defrag", path=Path(sys.executable).parent) or "defrag",
+                            "index", "--merge", "--out", str(out)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert merge.returncode == 0, merge.stderr[-3000:]
+    assert_same_index(out, one_process)
+    same_searches(out, one_process, collection.model, collection.captions)
