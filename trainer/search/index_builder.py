@@ -213,7 +213,7 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
            "decoder": DECODER_VERSION, "source": source}
     record = {"key": key, "model": str(Path(model).resolve()), "boxes": boxes,
-              "detector_weights": detector_weights, "parser": parser,
+              "detector_weights": detector_weights,
               "sentences": str(Path(sentences).resolve()) if sentences else None,
               "image_folder": str(image_folder), "links": links, "skipped": skipped,
               "tasks": task.count, "units": [[unit.size, unit.digest] for unit in units]}
@@ -250,14 +250,15 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
 
 def merge(out: Path) -> dict[str, Any]:
     """Write the index of the build whose tasks embedded their units into out/parts/, with the
-    settings they recorded there (parts/build.json); its summary."""
+    settings they recorded there (parts/build.json: --sentences parsed by their parser); its
+    summary."""
     stamp = Path(out) / "parts" / "build.json"
     if not stamp.is_file():
         raise RetrievalError(f"no task of a build has run in {out} (no parts/build.json): run "
                              "its tasks first")
     record = json.loads(stamp.read_text())
     embedder = load_one_model(ModelFolder.open(Path(record["model"])), record["boxes"],
-                              record["detector_weights"], record["parser"])
+                              record["detector_weights"], record["key"]["parser"])
     if embedder.model_key != record["key"]["model"]:
         raise IndexMismatch(f"{record['model']} has changed since the tasks embedded with it "
                             f"(checksums key {embedder.model_key[:16]}..., theirs "
