@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.test_slurm as slurm_cluster
 import trainer.search.index_builder as index_builder
 from defrag.tasks import Task, task_from
 from defrag.vocab import Vocabulary
@@ -23,13 +24,14 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests.test_arithmetic import one_thread
-from tests.test_slurm import ENDED, ROOT, job_field, slurm, tool, wait_for  # noqa: F401
+from tests.test_slurm import ENDED, ROOT, job_field, tool, wait_for
 from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
 from trainer.search.index import SearchIndex
 from trainer.store.model_folder import save_model_folder
 
+slurm = slurm_cluster.slurm  # the fixture: a one-node SLURM cluster on this host
 INDEX_FILES = ("index.json", "images.safetensors", "images.faiss", "sentences.safetensors",
                "sentences.faiss")
 
@@ -206,7 +208,7 @@ def same_searches(built: Path, reference: Path, model: Path, captions: list[str]
 
 
 @pytest.mark.slow
-def test_a_slurm_array_builds_what_one_process_does(slurm, collection: Collection,  # noqa: F811
+def test_a_slurm_array_builds_what_one_process_does(slurm, collection: Collection,
                                                     one_process: Path, tmp_path: Path) -> None:
     """`sbatch --array=3-4` (task ids not from 0) of launch/slurm/index.sbatch, then the merge
     job, `--dependency=afterok` on the array; launch/README.md documents the two commands."""
