@@ -62,38 +62,45 @@ def test_folder_index_ranks_like_the_exact_scan(world: World, folder_index: Path
     exact = exact_scores(world, world.model_dir)
     assert searched.image_names == world.names and searched.sentences == world.captions
     for q, text in enumerate(world.captions):
-        hits = searched.images_for(text, k=NUM_VAL)
+        hits = searched.images_for(text, k=NUM_VAL).hits
         order = torch.argsort(exact[:, q], descending=True, stable=True)
         assert [hit.position for hit in hits] == order.tolist()
         assert [hit.score for hit in hits] == pytest.approx(exact[order, q].tolist(), rel=1e-2)
     for k, name in enumerate(world.names):
-        hits = searched.sentences_for_image(name, k=5)
+        hits = searched.sentences_for_image(name, k=5).hits
         order = torch.argsort(exact[k], descending=True, stable=True)[:5]
         assert [hit.item for hit in hits] == [world.captions[i] for i in order]
-    upload = searched.sentences_for_file(world.images / world.names[2], k=5)
+    upload = searched.sentences_for_file(world.images / world.names[2], k=5).hits
     assert [hit.item for hit in upload] == [h.item for h in searched.sentences_for_image(
-        world.names[2], k=5)]
+        world.names[2], k=5).hits]
 
 
-def test_first_stage_candidates_then_exact_scores(world: World, folder_index: Path) -> None:
-    """With M = 2 keys per query fragment and K = 2 of 4 images: each query fragment's two best
-    image fragments, their thresholded scores summed per image (eq. 6 over the pairs found),
-    pick two images, which eq. 6 then orders: checked against loops over the definition."""
+def test_the_first_stage_bounds_every_pair_it_keeps_and_drops(world: World,
+                                                              folder_index: Path) -> None:
+    """With 2 keys per query fragment of the 30 image fragments, the first stage's bounds are
+    checked against loops over the definition: a kept pair's bound is at least its inner
+    product v_i . s_j; every dropped pair's product is at most the row's `unseen` bound; and
+    the certified top 2 is the exact scan's."""
     searched = index.SearchIndex.open(folder_index)
-    searched.candidates, searched.images.key_candidates = 2, 2
+    searched.images.key_candidates = 2
     images = searched.images.select(range(NUM_VAL))
     exact = exact_scores(world, world.model_dir)
     for q, text in enumerate(world.captions):
         query = searched.query_rows(text)
-        found = [0.0] * NUM_VAL
-        for s_j in query.embeddings:
-            products = [(float(v_i @ s_j), i) for i, v_i in enumerate(images.embeddings)]
-            for product, i in sorted(products, reverse=True)[:2]:
-                found[int(images.owner[i])] += max(product, 0.0) / int(images.counts[
-                    images.owner[i]])
-        chosen = sorted(sorted(range(NUM_VAL), key=lambda k: -found[k])[:2])
-        expected = sorted(chosen, key=lambda k: -exact[k, q].item())
-        assert [hit.position for hit in searched.images_for(text, k=2)] == expected
+        found = searched.images.retrieve(query, 2, 1)
+        kept = set()
+        for item, j, upper in zip(found.items, found.rows, found.upper, strict=True):
+            rows = [i for i in range(len(images.embeddings)) if images.owner[i] == item]
+            products = [float(images.embeddings[i] @ query.embeddings[j]) for i in rows]
+            assert upper >= min(products) - 1e-6
+        for j, s_j in enumerate(query.embeddings):
+            products = sorted(float(v_i @ s_j) for v_i in images.embeddings)
+            kept = products[-2:]
+            assert all(p <= found.unseen[j] + 1e-6 for p in products[:-2])
+            assert min(kept) >= max(products[:-2], default=-np.inf)
+        order = torch.argsort(exact[:, q], descending=True, stable=True)[:2].tolist()
+        ranking = searched.images_for(text, k=2)
+        assert ranking.exact and [hit.position for hit in ranking.hits] == order
 
 
 def test_a_whole_sentence_encoders_first_stage_is_its_score(world: World,
@@ -263,7 +270,7 @@ def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.Monkey
     monkeypatch.setattr(index, "IVF_FROM", 1000)
     monkeypatch.setattr(index, "SQ8_FROM", sq8_from)
     keys = torch.nn.functional.normalize(torch.randn(4000, 32), dim=1) + 0.2
-    center, basis = index.fit_projection(keys)
+    center, basis = index.fit_projection(keys, index.FIRST_STAGE_DIMS)
     first = index.build_first_stage(keys, center, basis)
     assert type(first).__name__ == kind and first.ntotal == 4000
     first.nprobe = first.nlist  # every list
@@ -277,7 +284,7 @@ def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.Monkey
 def test_the_projection_keeps_inner_products() -> None:
     """[(k - c) B, 1] . [q B, q . c] = k . q when B spans the keys' directions."""
     keys = torch.randn(300, 16) + 3.0
-    center, basis = index.fit_projection(keys)
+    center, basis = index.fit_projection(keys, index.FIRST_STAGE_DIMS)
     queries = torch.randn(7, 16)
     projected = index.project(keys, center, basis, False) @ index.project(queries, center, basis,
                                                                            True).T
@@ -293,12 +300,18 @@ def test_the_retrieval_command_searches_an_index(world: World, folder_index: Pat
     searched = index.SearchIndex.open(folder_index)
     by_text, by_image = report["queries"]
     assert [r["image"] for r in by_text["results"]] == [
-        hit.item for hit in searched.images_for(world.captions[6], k=3)]
+        hit.item for hit in searched.images_for(world.captions[6], k=3).hits]
     assert [r["sentence"] for r in by_image["results"]] == [
-        hit.item for hit in searched.sentences_for_image(world.names[1], k=3)]
+        hit.item for hit in searched.sentences_for_image(world.names[1], k=3).hits]
     assert by_image["results"][0]["line"].startswith("sentences.txt:")
     assert report["explain"]["picture"] == str(tmp_path / "why.png")
     assert (tmp_path / "why.png").is_file() and report["explain"]["fragments"]
+    assert [(q["exact"], q["gap"]) for q in report["queries"]] == [(True, 0.0)] * 2
+    retrieve.main(["--model", str(world.model_dir), "--index", str(folder_index), "--query",
+                   world.captions[6], "--top-k", "3", "--json", "--exact-scan"])
+    scanned = json.loads(capsys.readouterr().out)["queries"][0]
+    assert [r["image"] for r in scanned["results"]] == [r["image"] for r in by_text["results"]]
+    assert (scanned["exact"], scanned["scored"]) == (True, NUM_VAL)
 
 
 def test_an_ensemble_is_refused_naming_its_members(world: World, tmp_path: Path) -> None:

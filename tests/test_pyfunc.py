@@ -274,10 +274,11 @@ def test_params_search_an_index(store: Store, index: Path, tracking: None) -> No
     found = model.predict(pd.DataFrame({"sentence": store.captions[:2]}), params=params)
     for text, hits in zip(store.captions[:2], found["hits"], strict=True):
         assert [(h["item"], h["position"]) for h in hits] == [
-            (h.item, h.position) for h in opened.images_for(text, 2)]
+            (h.item, h.position) for h in opened.images_for(text, 2).hits]
+    assert list(found["exact"]) == [True, True] and list(found["gap"]) == [0.0, 0.0]
     found = model.predict(pd.DataFrame({"image": [base64_of(store.images[0])]}), params=params)
     assert [h["item"] for h in found["hits"][0]] == [
-        h.item for h in opened.sentences_for_file(store.images[0], 2)]
+        h.item for h in opened.sentences_for_file(store.images[0], 2).hits]
     assert len(found["hits"][0]) == 2 and found["hits"][0][0]["score"] >= found["hits"][0][1][
         "score"]
     with pytest.raises(MlflowException, match="k is 0: ask for 1 or more results"):

@@ -95,8 +95,9 @@ def test_an_indexed_or_uploaded_image_finds_sentences(world: SearchWorld, index:
                                                       url: str) -> None:
     indexed = requests.get(f"{url}/api/sentences",
                            params={"image": world.expected, "k": 5}).json()
-    expected = index.sentences_for_image(world.expected, k=5)
+    expected = index.sentences_for_image(world.expected, k=5).hits
     assert [hit["sentence"] for hit in indexed["results"]] == [hit.item for hit in expected]
+    assert (indexed["exact"], indexed["gap"]) == (True, 0.0)
     assert [hit["rank"] for hit in indexed["results"]] == [1, 2, 3, 4, 5]
     # The same file uploaded: embedded again (the index keeps fp16 rows), the same sentences.
     upload = requests.post(f"{url}/api/sentences", params={"k": 5},

@@ -32,7 +32,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from tqdm import tqdm
 from defrag.images import DECODER_VERSION, MAX_IMAGE_PIXELS
 from trainer.batch import owners
 from trainer.objectives import owner_means
+from trainer.search.certificate import Ranking, Retrieved, certified_top_k, full_scan
 from trainer.search.embedder import (
     Embedder,
     RetrievalError,
@@ -54,34 +54,28 @@ from trainer.search.embedder import (
     parse_captions,
 )
 from trainer.search.explain import explain, explain_words
-from trainer.search.fragment_set import FragmentSet, rank, top_k
+from trainer.search.fragment_set import FragmentSet, rank
 from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = 1
-FIRST_STAGE_DIMS = 256  # principal directions of the first stage's keys (+ 1 column)
+INDEX_FORMAT = 2  # 2: the certificate's bounds (first_stage_bounds)
+FIRST_STAGE_DIMS = 256  # principal directions of an IVF first stage's keys (+ 1 column)
 PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
 IVF_FROM = 200_000  # keys from which the first stage is an IVF index instead of an exact scan
 SQ8_FROM = 5_000_000  # keys from which the IVF keeps 8-bit codes instead of float32
 IVF_PROBE = 32  # lists an IVF first stage searches
-KEY_CANDIDATES = 1000  # keys each query row finds (eq. 6; benchmarks/bench_search.py)
-CANDIDATES = 50  # items re-scored exactly (benchmarks/bench_search.py)
+KEY_CANDIDATES = 1000  # keys each query row finds first (eq. 6; benchmarks/bench_search.py)
+CANDIDATES = 50  # items the first stage finds first for the cosine and inner scores
 EXACT_SENTENCES = 20_000  # sentence sets up to this size are scanned exactly (no first stage)
+BUDGET_S = 2.0  # a search stops widening its first stage after this long (then not exact)
+ROUNDING = 2**-15  # float32 rounding allowed in the first stage, relative to |q| max |k|
+BLOCK = 1 << 16  # keys projected at a time
 MAX_QUERY_CHARS = 1000
 
 
 class IndexMismatch(RetrievalError):
     """An index opened with another model than the one that built it."""
-
-
-@dataclass
-class Hit:
-    """One search result: an image's file name or a sentence, its score, its row in the index."""
-
-    item: str
-    score: float
-    position: int
 
 
 # ---------------------------------------------------------------- one side of an index
@@ -99,12 +93,26 @@ def first_stage_keys(fragments: FragmentSet, score: str) -> tuple[torch.Tensor, 
     return keys, torch.arange(len(fragments.items))
 
 
-def fit_projection(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean key and its FIRST_STAGE_DIMS principal directions [d, r] (of a sample)."""
+def quantize(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as stored: fp16 of unit largest magnitude, times each row's scale (float32)."""
+    block = block.float()
+    scale = block.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+    return (block / scale[:, None]).half(), scale
+
+
+def as_stored(block: torch.Tensor) -> torch.Tensor:
+    """Rows as search reads them back (float32 of the stored fp16 rows): what the model's
+    score and the first stage's keys are computed from, so the certificate's bounds hold."""
+    rows, scale = quantize(block)
+    return rows.float() * scale[:, None]
+
+
+def fit_projection(keys: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean key and its `dims` principal directions [d, dims] (of a sample)."""
     sample = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))[
         :PROJECTION_SAMPLE]].float()
     center = sample.mean(0)
-    basis = torch.linalg.svd(sample - center, full_matrices=False).Vh[:FIRST_STAGE_DIMS].T
+    basis = torch.linalg.svd(sample - center, full_matrices=False).Vh[:dims].T
     return center, basis.contiguous()
 
 
@@ -117,6 +125,14 @@ def project(x: torch.Tensor, center: torch.Tensor, basis: torch.Tensor,
     return torch.cat([(x if queries else x - center) @ basis, last[:, None]], 1).numpy()
 
 
+def left_out(x: torch.Tensor, basis: torch.Tensor, center: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """The length of each row's part outside the basis' span (of x - center for keys): by
+    Cauchy-Schwarz, k . q exceeds the projected inner product by at most |k_out| |q_out|."""
+    x = x.float() - (center if center is not None else 0)
+    return torch.linalg.vector_norm(x - (x @ basis) @ basis.T, dim=1)
+
+
 def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
                       basis: torch.Tensor) -> faiss.Index:
     """An inner-product faiss index of the projected keys: exact below IVF_FROM keys, else IVF
@@ -124,7 +140,7 @@ def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
     kept as float32 (the fastest scan) or, from SQ8_FROM keys, as 8-bit codes (a quarter of the
     memory, ~4x slower to scan); keys projected a block at a time."""
     total, dims = len(keys), basis.shape[1] + 1
-    blocks = range(0, total, 1 << 16)
+    blocks = range(0, total, BLOCK)
     if total < IVF_FROM:
         first = faiss.IndexFlatIP(dims)
     else:
@@ -133,32 +149,82 @@ def build_first_stage(keys: torch.Tensor, center: torch.Tensor,
         first = (faiss.IndexIVFFlat(quantizer, dims, lists, faiss.METRIC_INNER_PRODUCT)
                  if total < SQ8_FROM else faiss.IndexIVFScalarQuantizer(
                      quantizer, dims, lists, faiss.ScalarQuantizer.QT_8bit,
-                     faiss.METRIC_INNER_PRODUCT))
+                     faiss.METRIC_INNER_PRODUCT, False))  # codes of the keys themselves
         first.cp.niter = 10
         sample = torch.randperm(total, generator=torch.Generator().manual_seed(1))[:40 * lists]
         first.train(project(keys[sample.sort().values], center, basis, queries=False))
     for begin in tqdm(blocks, desc="first stage", unit="block", disable=len(blocks) < 8):
-        first.add(project(keys[begin:begin + (1 << 16)], center, basis, queries=False))
+        first.add(project(keys[begin:begin + BLOCK], center, basis, queries=False))
     return first
+
+
+def first_stage_bounds(first: faiss.Index, keys: torch.Tensor, center: torch.Tensor,
+                       basis: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the certificate needs of a first stage (trainer/search/certificate.py): each key's
+    part left out by the projection (`residual`), the largest projected key, the largest error
+    of 8-bit codes, and each IVF list's centre and radius (no key of the list lies farther
+    from its centre, so an unsearched list's keys score at most q . centre + |q| radius)."""
+    residual = torch.cat([left_out(keys[b:b + BLOCK], basis, center)
+                          for b in range(0, len(keys), BLOCK)])
+    lists = first.nlist if isinstance(first, faiss.IndexIVF) else 0
+    centers = (first.quantizer.reconstruct_n(0, lists) if lists
+               else np.zeros((0, first.d), np.float32))
+    radius, largest, code_error = np.zeros(lists, np.float32), 0.0, 0.0
+    home = np.zeros(len(keys), np.int64)  # each key's list
+    for number in range(lists):
+        size = first.invlists.list_size(number)
+        home[faiss.rev_swig_ptr(first.invlists.get_ids(number), size).copy()] = number
+    for begin in range(0, len(keys), BLOCK):
+        projected = project(keys[begin:begin + BLOCK], center, basis, queries=False)
+        largest = max(largest, float(np.linalg.norm(projected, axis=1).max()))
+        if lists:
+            own = home[begin:begin + len(projected)]
+            np.maximum.at(radius, own, np.linalg.norm(projected - centers[own], axis=1))
+        if isinstance(first, faiss.IndexIVFScalarQuantizer):
+            decoded = first.sq.decode(first.sq.compute_codes(projected))
+            code_error = max(code_error, float(np.linalg.norm(decoded - projected, axis=1).max()))
+    most = float(residual.max()) if len(residual) else 0.0  # the largest part left out
+    return {"residual": residual, "list_center": torch.from_numpy(centers),
+            "list_radius": torch.from_numpy(radius),
+            "key_stats": torch.tensor([largest, code_error, most])}
+
+
+class StoredRows:
+    """The rows of a FragmentSet as stored (`as_stored`), a block at a time, for the keys."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return as_stored(self.rows[index])
 
 
 def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
     """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
-    keys, key_item = first_stage_keys(fragments, score)
-    center, basis = fit_projection(keys)
     start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
     start[1:] = fragments.counts.cumsum(0)
     scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude
     rows = torch.empty(fragments.embeddings.shape, dtype=torch.float16)
-    for first in range(0, len(rows), 1 << 16):  # bounded float32 copies
-        block = fragments.embeddings[first:first + (1 << 16)].float()
-        peak = block.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
-        scale[first:first + len(block)] = peak
-        rows[first:first + len(block)] = (block / peak[:, None]).half()
+    for first in range(0, len(rows), BLOCK):  # bounded float32 copies
+        rows[first:first + BLOCK], scale[first:first + BLOCK] = quantize(
+            fragments.embeddings[first:first + BLOCK])
+    stored = StoredRows(fragments.embeddings)
+    if score == "eq6":
+        keys, key_item = stored, fragments.owner
+    else:
+        keys, key_item = first_stage_keys(dataclasses.replace(
+            fragments, embeddings=stored[0:len(stored)]), score)
+    center, basis = fit_projection(keys, fragments.embeddings.shape[1]
+                                   if len(keys) < IVF_FROM else FIRST_STAGE_DIMS)
+    first = build_first_stage(keys, center, basis)
     save_file({"rows": rows, "scale": scale, "start": start,
                "detail": fragments.detail.contiguous(), "key_item": key_item,
-               "center": center, "basis": basis}, folder / f"{stem}.safetensors")
-    faiss.write_index(build_first_stage(keys, center, basis), str(folder / f"{stem}.faiss"))
+               "center": center, "basis": basis,
+               **first_stage_bounds(first, keys, center, basis)}, folder / f"{stem}.safetensors")
+    faiss.write_index(first, str(folder / f"{stem}.faiss"))
 
 
 def memory_map(path: Path) -> dict[str, np.ndarray]:
@@ -193,35 +259,71 @@ class Collection:
         self.counts = np.diff(self.start)  # rows of each item
         self.center = torch.from_numpy(np.array(arrays["center"]))
         self.basis = torch.from_numpy(np.array(arrays["basis"]))
+        self.residual = arrays["residual"]
+        self.list_center = np.array(arrays["list_center"])
+        self.list_radius = np.array(arrays["list_radius"]).astype(np.float64)
+        self.largest_key, self.code_error, self.largest_residual = (
+            float(x) for x in arrays["key_stats"])
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
-        if isinstance(self.first, faiss.IndexIVF):
-            self.first.nprobe = IVF_PROBE
-        self.key_candidates = KEY_CANDIDATES
-        self.exact_up_to = exact_up_to  # up to this many items: every item is a candidate
+        self.lists = self.first.nlist if isinstance(self.first, faiss.IndexIVF) else 0
+        self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
+        self.exact_up_to = exact_up_to  # up to this many items: every item is scored
         self._everything: FragmentSet | None = None  # float32 rows of an exact collection
         if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
             raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
                                  f"({len(items)} items): rebuild it with defrag index")
 
-    def candidates(self, query: FragmentSet, k: int) -> np.ndarray:
-        """Positions of the k items the first stage scores highest for `query` (one item), in
-        index order (the exact scan's tie order). For eq. 6 each query row finds its
-        key_candidates best keys (fragment rows), and an item scores the thresholded sum of
-        those it owns, normalised as eq. 6; otherwise the query's mean row finds k items.
-        A collection of at most `exact_up_to` items returns every item."""
-        if len(self.items) <= self.exact_up_to:
-            return np.arange(len(self.items))
-        keys, _ = first_stage_keys(query, self.score)
-        probes = project(keys, self.center, self.basis, queries=True)
-        found = min(self.key_candidates if self.score == "eq6" else k, self.first.ntotal)
-        scores, keys = self.first.search(probes, found)
-        keep = keys >= 0
-        items, scores = self.key_item[keys[keep]], scores[keep]
-        if self.score == "eq6":
-            items, owner = np.unique(items, return_inverse=True)
-            scores = np.bincount(owner, np.maximum(scores, 0)) * self.norm(self.counts[items])
-        best = np.argsort(-scores, kind="stable")[:k]
-        return np.sort(items[best])
+    def reach(self, query_norm: float) -> tuple[Callable[[np.ndarray], np.ndarray], float]:
+        """eq. 6's weight w(n) of an item of n rows against this query (the item's factor
+        times the query's), and max_n n w(n) over the collection's items."""
+        counts = self.counts[self.counts > 0].astype(np.float64)
+        reach = float(np.max(counts * self.norm(counts), initial=0.0)) * query_norm
+        return (lambda n: self.norm(np.maximum(n, 1)) * query_norm), reach
+
+    def retrieve(self, query: FragmentSet, keys: int, probe: int) -> Retrieved:
+        """The first stage for `query` (one item): each query key's `keys` best keys in the
+        `probe` best IVF lists, each returned pair with an upper bound on its exact inner
+        product, and the bound on every pair not returned (trainer/search/certificate.py)."""
+        q, _ = first_stage_keys(query, self.score)
+        q = q.float()
+        probes = project(q, self.center, self.basis, queries=True)
+        q_len = np.linalg.norm(probes, axis=1).astype(np.float64)
+        q_out = left_out(q, self.basis).numpy().astype(np.float64)
+        slack = ROUNDING * q_len * self.largest_key  # float32 rounding of faiss' inner products
+        found = min(keys, self.first.ntotal)
+        if self.lists:
+            probe = min(probe, self.lists)
+            self.first.nprobe = probe
+            near, lists = self.first.quantizer.search(probes, probe)
+            scores, ids = self.first.search_preassigned(probes, found, lists, near)
+            unsearched = probes @ self.list_center.T + q_len[:, None] * self.list_radius
+            np.put_along_axis(unsearched, lists, -np.inf, axis=1)
+            beyond = unsearched.max(axis=1, initial=-np.inf)
+        else:
+            probe = 0
+            scores, ids = self.first.search(probes, found)
+            beyond = np.full(len(probes), -np.inf)
+        full = ids[:, -1] >= 0  # a row that returned all it asked for has keys unreturned
+        last = np.where(full & (found < self.first.ntotal), scores[:, -1], -np.inf)
+        last = last + self.code_error * q_len
+        unseen = np.maximum(last, beyond) + self.largest_residual * q_out + slack
+        row, column = np.nonzero(ids >= 0)
+        key = ids[row, column]
+        upper = (scores[row, column] + self.code_error * q_len[row] + slack[row]
+                 + self.residual[key] * q_out[row])
+        complete = found >= self.first.ntotal and (not self.lists or probe >= self.lists)
+        return Retrieved(self.key_item[key], row, upper, unseen, found, complete)
+
+    def scorer(self, query: FragmentSet, image_side: bool,
+               rank_fn: Callable[[FragmentSet, FragmentSet], torch.Tensor]
+               ) -> Callable[[np.ndarray], np.ndarray]:
+        """Exact scores of positions (sorted) against `query`: the model's score, as the exact
+        scan and trainer.evaluate compute it."""
+        def score(positions: np.ndarray) -> np.ndarray:
+            items = self.select(positions.tolist())
+            scores = rank_fn(items, query)[:, 0] if image_side else rank_fn(query, items)[0]
+            return scores.numpy().astype(np.float64)
+        return score
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
         """The items at `positions` with their rows in float32 (all of an exact collection's
@@ -240,6 +342,25 @@ class Collection:
                                             * self.scale[rows][:, None]),
                            owners([int(self.counts[p]) for p in positions]),
                            torch.from_numpy(np.array(self.detail[rows])))
+
+
+def search(collection: Collection, query: FragmentSet, k: int, image_side: bool, smooth: float,
+           score: str, exact_scan: bool = False, budget_s: float | None = BUDGET_S) -> Ranking:
+    """`collection`'s exact top k for `query` (one sentence against images when `image_side`,
+    else one image against sentences) by the model's score: every item scored when asked or
+    when the collection is small, else certified (trainer/search/certificate.py)."""
+    exact = collection.scorer(query, image_side, lambda images, sentences: rank(
+        images, sentences, smooth, score))
+    if exact_scan or len(collection.items) <= collection.exact_up_to:
+        return full_scan(exact, collection.items, k)
+    m = len(query.embeddings)  # eq. 6's factor of the query: 1 / (m + smooth) or 1 / m
+    weight, reach = collection.reach(1 / (m + smooth) if image_side else 1 / max(m, 1))
+    eq6 = score == "eq6"
+    return certified_top_k(
+        lambda keys, probe: collection.retrieve(query, keys, probe), exact, collection.items,
+        k, eq6=eq6, counts=collection.counts, weight=weight, reach=reach,
+        keys=collection.key_candidates if eq6 else max(k, CANDIDATES), probe=collection.probe,
+        budget_s=budget_s)
 
 
 def load_one_model(model: ModelFolder, boxes: str | None, detector_weights: str | None,
@@ -268,7 +389,6 @@ class SearchIndex:
         self.sentence_set = (Collection(folder, "sentences", meta["sentences"], objective.score,
                                         lambda n: 1 / (n + objective.smooth), EXACT_SENTENCES)
                              if meta["sentences"] else None)
-        self.candidates = CANDIDATES
         self.position = {name: k for k, name in enumerate(meta["images"])}
         self._parse = threading.Lock()  # the parser is not known to be thread-safe
 
@@ -339,37 +459,36 @@ class SearchIndex:
                     "(re-linked since it was indexed?)", name, path, folder)
         raise RetrievalError(f"image {name!r} is not available")
 
-    def images_for(self, text: str, k: int = 10) -> list[Hit]:
+    def images_for(self, text: str, k: int = 10, exact_scan: bool = False) -> Ranking:
         """The k best images for a sentence."""
-        return self.images_for_rows(self.query_rows(text), k)
+        return self.images_for_rows(self.query_rows(text), k, exact_scan)
 
-    def sentences_for_image(self, name: str, k: int = 10) -> list[Hit]:
+    def sentences_for_image(self, name: str, k: int = 10, exact_scan: bool = False) -> Ranking:
         """The k best sentences of the index for one of its images."""
-        return self.sentences_for_rows(self.images.select([self.position_of(name)]), k)
+        return self.sentences_for_rows(self.images.select([self.position_of(name)]), k,
+                                       exact_scan)
 
-    def sentences_for_file(self, path: Path, k: int = 10) -> list[Hit]:
+    def sentences_for_file(self, path: Path, k: int = 10, exact_scan: bool = False) -> Ranking:
         """The k best sentences of the index for a new image file (e.g. an upload)."""
         image, _ = embed_images([path], self.embedder, skip_bad=False, progress=False)
-        return self.sentences_for_rows(image, k)
+        return self.sentences_for_rows(image, k, exact_scan)
 
-    def images_for_rows(self, query: FragmentSet, k: int = 10,
-                        candidates: int | None = None) -> list[Hit]:
-        """The k best images for an embedded sentence (one item): the first stage's
-        `candidates` (default self.candidates), then the model's score."""
-        found = self.images.candidates(query, max(k, candidates or self.candidates))
-        scores = self._rank(self.images.select(found), query)[:, 0]
-        return [Hit(self.images.items[found[i]], score, int(found[i]))
-                for i, score in top_k(scores, k)]
+    def images_for_rows(self, query: FragmentSet, k: int = 10, exact_scan: bool = False,
+                        budget_s: float | None = BUDGET_S) -> Ranking:
+        """The exact top k images for an embedded sentence (one item), certified
+        (trainer/search/certificate.py); `exact_scan` scores every image instead."""
+        objective = self.embedder.cfg.objective
+        return search(self.images, query, k, True, objective.smooth, objective.score,
+                      exact_scan, budget_s)
 
-    def sentences_for_rows(self, image: FragmentSet, k: int = 10,
-                           candidates: int | None = None) -> list[Hit]:
-        """The k best sentences for an embedded image (one item), as `images_for_rows`."""
+    def sentences_for_rows(self, image: FragmentSet, k: int = 10, exact_scan: bool = False,
+                           budget_s: float | None = BUDGET_S) -> Ranking:
+        """The exact top k sentences for an embedded image (one item), as `images_for_rows`."""
         if self.sentence_set is None:
             raise RetrievalError("this index has no sentences: rebuild it with --sentences FILE")
-        found = self.sentence_set.candidates(image, max(k, candidates or self.candidates))
-        scores = self._rank(image, self.sentence_set.select(found))[0]
-        return [Hit(self.sentence_set.items[found[i]], score, int(found[i]))
-                for i, score in top_k(scores, k)]
+        objective = self.embedder.cfg.objective
+        return search(self.sentence_set, image, k, False, objective.smooth, objective.score,
+                      exact_scan, budget_s)
 
     def explain(self, text: str, name: str) -> tuple[Image.Image, dict[str, Any]]:
         """Figure 4 for a sentence and an indexed image, drawn now, and what it shows."""

@@ -11,7 +11,8 @@ a JPEG or PNG file, base64-encoded) and answers one row per input row:
 - with params {"index": "photos", "k": 10} (an index built by `defrag index` with
   this model, one its operator named: trainer/search/served_indexes.py): `hits`, the k best images
   of the index for a sentence, or its k best sentences for an image, each {"item", "score",
-  "position"}, best first.
+  "position"}, best first; `exact`, whether they are proven to be the exact top k (the
+  certificate of docs/design.md, "Certified search"), and `gap`, the bound left when not.
 
 No error names the server's temporary files (an image row is row-N) or says what exists on disk.
 """
@@ -114,14 +115,16 @@ class DeFragPyfunc(PythonModel):
                 k: int) -> pd.DataFrame:
         """Each row's k best hits in the index: images for a sentence, sentences for an image."""
         opened = self.indexes.open(index)
-        hits = []
+        rankings = []
         for number, (kind, value) in enumerate(rows):
             with _naming_rows([number], kind):
-                hits.append(opened.images_for(value, k) if kind == "sentence"
-                            else opened.sentences_for_file(images[number], k))
+                rankings.append(opened.images_for(value, k) if kind == "sentence"
+                                else opened.sentences_for_file(images[number], k))
         return pd.DataFrame({"hits": [[{"item": hit.item, "score": hit.score,
-                                        "position": hit.position} for hit in found]
-                                      for found in hits]})
+                                        "position": hit.position} for hit in found.hits]
+                                      for found in rankings],
+                             "exact": [found.exact for found in rankings],
+                             "gap": [found.gap for found in rankings]})
 
 
 @contextmanager

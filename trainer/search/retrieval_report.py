@@ -11,13 +11,13 @@ def format_report(report: dict[str, Any]) -> str:
              f"sentences indexed in {report['index_dir']}"]
     for query in report["queries"]:
         if query["kind"] == "image":
-            lines += ["", f"{query['query']} ({query['boxes']} boxes) -> sentences",
-                      f"{'rank':>4}  {'score':>8}  {'line':>5}  sentence"]
+            lines += ["", f"{query['query']} ({query['boxes']} boxes) -> sentences"
+                          f"{_proof(query)}", f"{'rank':>4}  {'score':>8}  {'line':>5}  sentence"]
             lines += [f"{r['rank']:>4}  {r['score']:8.4f}  {r['line']:>5}  {r['sentence']}"
                       for r in query["results"]]
         elif query["kind"] == "sentence":
             unit = "words" if "words" in query else "fragments"
-            lines += ["", f"{query['query']!r} ({query[unit]} {unit}) -> images",
+            lines += ["", f"{query['query']!r} ({query[unit]} {unit}) -> images{_proof(query)}",
                       *_image_rows(query["results"])]
         else:  # arithmetic
             own = query["query_image_rank"]
@@ -39,6 +39,16 @@ def format_report(report: dict[str, Any]) -> str:
             lines += [f"{f['fragment']:<32} {f['box']:>3}  {f['score']:7.3f}  {f['xyxy']}"
                       for f in explained["fragments"]]
     return "\n".join(lines)
+
+
+def _proof(query: dict[str, Any]) -> str:
+    """What an index search proved of its top k ("" for a scan of --images / --sentences)."""
+    if "exact" not in query:
+        return ""
+    if query["exact"]:
+        return f" (exact: proven, {query['scored']} items scored)"
+    return (f" (NOT proven exact: the bound is {query['gap']:.4g} above the last score; raise "
+            "--budget-s, or --exact-scan)")
 
 
 def _image_rows(results: list[dict[str, Any]]) -> list[str]:

@@ -20,8 +20,11 @@ whole-sentence encoder each word's contribution to the score, by leaving it out
 (trainer.search.explain.explain_words). --minus / --plus make a --query-image rank the --images by
 Kiros et al.'s multimodal vector arithmetic (trainer.search.arithmetic; linear encoder only).
 
---index INDEX searches a collection embedded once by `defrag index` (any size: a
-faiss first stage, then eq. 6 over its candidates) instead of --images / --sentences.
+--index INDEX searches a collection embedded once by `defrag index` (any size: a faiss first
+stage, then the model's score over the items it could not rule out) instead of --images /
+--sentences. Each query then says whether its top k is proven exact (`"exact"`: the certificate
+of docs/design.md, "Certified search"; within --budget-s seconds), and --exact-scan scores every
+item instead (the reference).
 
 The fragment embeddings of --images and --sentences are cached in --index-dir (default
 FOLDER/.defrag-index, or beside the sentences file) as safetensors tensors plus a JSON
@@ -55,7 +58,7 @@ from trainer.search.embedder import (
 from trainer.search.embedding_cache import CACHE_DIR, image_embeddings, sentence_embeddings
 from trainer.search.explain import explain, explain_words
 from trainer.search.fragment_set import FragmentSet, rank, top_k
-from trainer.search.index import SearchIndex
+from trainer.search.index import BUDGET_S, SearchIndex
 from trainer.search.retrieval_report import format_report
 from trainer.store.model_folder import ModelFolder
 
@@ -69,7 +72,9 @@ class RetrievalRequest:
     or an `index`); the sentences that rank the images (`query`), the images that rank the
     sentences (`query_image`), or with words taken from them and added to them the images
     (`minus`, `plus`: Kiros et al.'s eq. 15); the embedding cache (`index_dir`); where to draw
-    Figure 4 (`explain`); the box source and parser (default: the model's training shards')."""
+    Figure 4 (`explain`); the box source and parser (default: the model's training shards');
+    with an index, whether to score every item (`exact_scan`) and for how long a search may
+    widen its first stage (`budget_s`)."""
 
     model: Path
     images: Path | None = None
@@ -86,6 +91,8 @@ class RetrievalRequest:
     detector_weights: str | None = None
     parser: str | None = None
     device: str = "cpu"
+    exact_scan: bool = False
+    budget_s: float = BUDGET_S
 
     @property
     def arithmetic(self) -> bool:
@@ -251,19 +258,21 @@ def index_search(request: RetrievalRequest) -> dict[str, Any]:
         query = index.query_rows(text)
         unit, size = (("words", int(query.detail[0, 0])) if whole_sentence
                       else ("fragments", len(query.embeddings)))
-        hits = index.images_for_rows(query, request.top_k)
+        found = index.images_for_rows(query, request.top_k, request.exact_scan,
+                                      request.budget_s)
         report["queries"].append({
-            "kind": "sentence", "query": text, unit: size,
+            "kind": "sentence", "query": text, unit: size, **found.proof(),
             "results": [{"rank": r, "score": hit.score, "image": hit.item}
-                        for r, hit in enumerate(hits, 1)]})
+                        for r, hit in enumerate(found.hits, 1)]})
     origins = index.meta["sentence_origins"]
     for path in request.query_image:
         image, _ = embed_images([path], index.embedder, skip_bad=False, progress=False)
-        hits = index.sentences_for_rows(image, request.top_k)
+        found = index.sentences_for_rows(image, request.top_k, request.exact_scan,
+                                         request.budget_s)
         report["queries"].append({
-            "kind": "image", "query": str(path), "boxes": int(image.counts[0]),
+            "kind": "image", "query": str(path), "boxes": int(image.counts[0]), **found.proof(),
             "results": [{"rank": r, "score": hit.score, "sentence": hit.item,
-                         "line": origins[hit.position]} for r, hit in enumerate(hits, 1)]})
+                         "line": origins[hit.position]} for r, hit in enumerate(found.hits, 1)]})
     if request.explain:
         top = report["queries"][0]["results"][0]["image"]
         picture, details = index.explain(request.query[0], top)
@@ -338,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dependency parser (default: the training shards', else "
                              f"{Settings.parser})")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--exact-scan", action="store_true",
+                        help="with --index: score every item (the reference the certified "
+                             "search is checked against; seconds at 100,000 images)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="with --index: seconds a query may widen its first stage to prove "
+                             f"its top k exact (default {BUDGET_S:g}); then it answers "
+                             '"exact": false with the gap left')
     add_debug_flag(parser)
     return parser
 
@@ -350,6 +366,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("pass --images FOLDER and/or --sentences FILE, or --index INDEX")
     if args.top_k < 1:
         parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    if not args.budget_s >= 0:
+        parser.error(f"--budget-s must be >= 0, got {args.budget_s}")
+    if args.exact_scan and not args.index:
+        parser.error("--exact-scan needs --index (--images and --sentences score every item "
+                     "already)")
     if args.boxes == "detector" and not args.detector_weights:
         parser.error("--boxes detector needs --detector-weights FILE (a Faster R-CNN state dict)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

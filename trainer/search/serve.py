@@ -40,8 +40,9 @@ from starlette.exceptions import HTTPException
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
+from trainer.search.certificate import Hit
 from trainer.search.embedder import ImageTooLargeError, RetrievalError
-from trainer.search.index import MAX_QUERY_CHARS, Hit, SearchIndex
+from trainer.search.index import MAX_QUERY_CHARS, SearchIndex
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +142,10 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
     def search(q: str = Query(description="the sentence to search for"),
                k: int = Query(10, ge=1, le=MAX_K, description="how many images")
                ) -> dict[str, Any]:
-        hits = index.images_for(q, k)
-        return {"query": q, "results": [
+        found = index.images_for(q, k)
+        return {"query": q, **found.proof(), "results": [
             {"rank": rank, "image": hit.item, "score": hit.score, "url": image_url(hit.item)}
-            for rank, hit in enumerate(hits, 1)]}
+            for rank, hit in enumerate(found.hits, 1)]}
 
     @app.get("/api/sentences", summary="Indexed image -> best sentences",
              responses=_errors(400, 422),
@@ -154,8 +155,9 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
             image: str = Query(description="an indexed image's file name"),
             k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
     ) -> dict[str, Any]:
-        hits = index.sentences_for_image(image, k)
-        return {"image": image, "url": image_url(image), "results": sentence_results(hits)}
+        found = index.sentences_for_image(image, k)
+        return {"image": image, "url": image_url(image), **found.proof(),
+                "results": sentence_results(found.hits)}
 
 
 def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
@@ -199,10 +201,11 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
             path = Path(folder) / "upload"
             path.write_bytes(body)
             try:
-                hits = decoders.submit(index.sentences_for_file, path, k).result()
+                found = decoders.submit(index.sentences_for_file, path, k).result()
             except RetrievalError as err:  # the message names the temporary file
                 raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
-        return {"image": None, "bytes": len(body), "results": sentence_results(hits)}
+        return {"image": None, "bytes": len(body), **found.proof(),
+                "results": sentence_results(found.hits)}
 
 
 def _add_explain(app: FastAPI, index: SearchIndex) -> None:

@@ -43,6 +43,12 @@ function element(tag, className, text) {
 
 const score = (value) => value.toFixed(3);
 
+// Whether a search proved its results to be the model's exact top k (docs/design.md,
+// "Certified search"), in words.
+const proof = (answer) => answer.exact
+  ? `Exact top ${answer.results.length}: proven (${answer.scored} scored by the model)`
+  : `Not proven exact: the bound is ${answer.gap.toPrecision(3)} above the last score`;
+
 async function showInfo() {
   const info = await api("/api/info");
   $("query").maxLength = info.max_query_chars;
@@ -60,6 +66,7 @@ async function searchImages(query, k) {
   const answer = await api(`/api/search?${params}`);
   if (ticket !== latest.images) return;
   $("images-title").textContent = `Photos for “${answer.query}”`;
+  $("images-proof").textContent = proof(answer);
   const grid = $("grid");
   grid.replaceChildren(...answer.results.map((hit) => imageCard(answer.query, hit)));
   $("images").hidden = false;
@@ -89,7 +96,7 @@ async function sentencesForImage(hit) {
   const params = new URLSearchParams({ image: hit.image, k: $("count").value });
   const answer = await api(`/api/sentences?${params}`);
   if (ticket !== latest.sentences) return;
-  showSentences(`Sentences for ${hit.image}`, hit.url, answer.results, hit.image);
+  showSentences(`Sentences for ${hit.image}`, hit.url, answer, hit.image);
 }
 
 async function sentencesForUpload(file) {
@@ -101,14 +108,15 @@ async function sentencesForUpload(file) {
   });
   if (ticket !== latest.sentences) return;
   showSentences(`Sentences for your photo ${file.name}`, URL.createObjectURL(file),
-                answer.results, null);
+                answer, null);
 }
 
 // The sentence results; `indexed` (an image name, or null for an upload) can be explained.
-function showSentences(title, src, results, indexed) {
+function showSentences(title, src, answer, indexed) {
   $("sentences-title").textContent = title;
+  $("sentences-proof").textContent = proof(answer);
   $("sentences-image").src = src;
-  $("sentence-list").replaceChildren(...results.map((hit) => {
+  $("sentence-list").replaceChildren(...answer.results.map((hit) => {
     const item = element("li");
     item.append(element("span", "score", score(hit.score)), element("span", "text", hit.sentence));
     if (indexed) {
