@@ -1,2 +1,2 @@
-"""Search: a trained model on new images and sentences. Embedding new inputs, the two-stage search
+"""Search: a trained model on new images and sentences. Embedding new inputs, the certified search
 index, the retrieve command, the web app and the MLflow pyfunc. Never imports training."""

@@ -8,8 +8,8 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
 - `images.safetensors`: the fragments, each image's consecutive: `rows` fp16 [N, d] times
   `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
   int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
-  in the file's pixels; the first stage's `key_item` (each key's image) and projection
-  (`center`, `basis`). Memory-mapped at search.
+  in the file's pixels; the first stage's `key_item` (each key's image), projection (`center`,
+  `basis`) and what the certificate's bounds need (`first_stage_bounds`). Memory-mapped.
 - `images.faiss`: the first stage over the projected keys (`build_first_stage`).
 - `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
   fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
@@ -17,11 +17,11 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
 - `files/`: the images of a --shards collection (a folder collection is served from its folder).
 - `parts/`: while building, each finished unit (trainer/search/index_builder.py).
 
-Search is two-stage (docs/design.md section 11): the first stage's keys are the fragment rows
-for eq. 6 (each query fragment finds its KEY_CANDIDATES best, an item scores the thresholded
-sum of those it owns) or each item's mean row for the cosine and inner scores (their inner
-product is the model's score); the CANDIDATES best items are then ranked by the model's own
-score (`trainer.search.fragment_set.rank`, as evaluation computes it).
+Search returns the exact top k by the model's own score (`trainer.search.fragment_set.rank`,
+as evaluation computes it), certified (docs/design.md section 11, trainer/search/certificate.py):
+the first stage's keys are the fragment rows for eq. 6 (each query fragment finds its
+KEY_CANDIDATES best) or each item's mean row for the cosine and inner scores; its bounds rule
+out the items it did not return, and only the others are scored.
 """
 
 from __future__ import annotations

@@ -242,8 +242,8 @@ def explain_pair(request: RetrievalRequest, image_path: Path, image: FragmentSet
 
 
 def index_search(request: RetrievalRequest) -> dict[str, Any]:
-    """The report of `search` answered from a search index (trainer.search.index): two-stage
-    search of a collection of any size, embedded once."""
+    """The report of `search` answered from a search index (trainer.search.index): the
+    certified top k of a collection of any size, embedded once."""
     if request.minus or request.plus or request.images or request.sentences:
         raise RetrievalError("--index holds the images and sentences to search: drop --images, "
                              "--sentences, --minus and --plus")
