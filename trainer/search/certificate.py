@@ -82,6 +82,36 @@ def item_bounds(found: Retrieved, eq6: bool, counts: np.ndarray,
     return items, bounds, reach * float(open_.sum())
 
 
+class Scores:
+    """The exact scores of the items scored so far (positions -> the model's score)."""
+
+    def __init__(self, score: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.score, self.of = score, {}
+
+    def add(self, positions: np.ndarray) -> None:
+        """Score the positions not scored yet (in index order, as `score` takes them)."""
+        todo = np.sort(np.array([p for p in positions.tolist() if p not in self.of], np.int64))
+        if len(todo):
+            self.of.update(zip(todo.tolist(), self.score(todo).tolist(), strict=True))
+
+    def kth(self, k: int) -> float:
+        """The k-th best score so far (-inf while fewer than k items are scored)."""
+        if len(self.of) < k:
+            return -np.inf
+        return float(-np.partition(-np.fromiter(self.of.values(), float, len(self.of)), k - 1)[
+            k - 1])
+
+    def ranking(self, items: list[str], k: int, certified: bool, gap: float,
+                keys: int) -> Ranking:
+        """The k best scored items, best first, ties in index order (as the exact scan)."""
+        positions = np.array(sorted(self.of), np.int64)
+        values = np.array([self.of[p] for p in positions.tolist()], np.float64)
+        best = np.argsort(-values, kind="stable")[:k]
+        return Ranking([Hit(items[positions[b]], float(values[b]), int(positions[b]))
+                        for b in best], certified, 0.0 if certified else float(max(gap, 0.0)),
+                       len(positions), keys)
+
+
 def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np.ndarray],
                     np.ndarray], items: list[str], k: int, *, eq6: bool, counts: np.ndarray,
                     weight: Callable[[np.ndarray], np.ndarray], reach: float, keys: int,
@@ -91,7 +121,7 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
     items it did not retrieve is above what the k-th item can score, until the certificate
     holds, everything was retrieved, or `budget_s` seconds passed (then exact=False)."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    exact = np.full(len(items), np.nan)  # exact scores of the items scored so far
+    exact = Scores(score)
     k = min(k, len(items))
     if not k:
         return Ranking([], True, 0.0, 0, 0)
@@ -105,56 +135,36 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
         if possible <= outside and not last:
             keys, probe = keys * WIDEN, probe * WIDEN  # no certificate yet: widen first
             continue
-        done = _rescore(exact, score, candidates, bounds, k,
+        done = _rescore(exact, candidates, bounds, k,
                         len(candidates) if possible > outside else max(k, RESCORE_FIRST))
         left = max(outside, bounds[done] if done < len(bounds) else -np.inf)
-        kth = _kth(exact, k)
+        kth = exact.kth(k)
         if kth > left:
-            return _ranking(exact, items, k, True, 0.0, found.keys)
+            return exact.ranking(items, k, True, 0.0, found.keys)
         if found.complete:  # everything retrieved, yet ties at the k-th score: scan the rest
-            rest = np.flatnonzero(np.isnan(exact))
-            if len(rest):
-                exact[rest] = score(rest)
-            return _ranking(exact, items, k, True, 0.0, found.keys)
+            exact.add(np.arange(len(items)))
+            return exact.ranking(items, k, True, 0.0, found.keys)
         if last:
-            scored = exact[~np.isnan(exact)]
-            low = kth if len(scored) >= k else float(np.min(scored, initial=0.0))
-            return _ranking(exact, items, k, False, left - low, found.keys)
+            low = kth if len(exact.of) >= k else min(exact.of.values(), default=0.0)
+            return exact.ranking(items, k, False, left - low, found.keys)
         keys, probe = keys * WIDEN, probe * WIDEN
 
 
-def _rescore(exact: np.ndarray, score: Callable[[np.ndarray], np.ndarray],
-             candidates: np.ndarray, bounds: np.ndarray, k: int, most: int) -> int:
+def _rescore(exact: Scores, candidates: np.ndarray, bounds: np.ndarray, k: int,
+             most: int) -> int:
     """Score candidates exactly in order of their bounds (descending), a doubling batch at a
     time, until the k-th exact score beats the next bound or `most` were taken; how many."""
     done, batch = 0, max(RESCORE_FIRST, k)
-    while done < min(most, len(candidates)) and not _kth(exact, k) > bounds[done]:
-        todo = candidates[done:done + batch]
-        todo = np.sort(todo[np.isnan(exact[todo])])
-        if len(todo):
-            exact[todo] = score(todo)
+    while done < min(most, len(candidates)) and not exact.kth(k) > bounds[done]:
+        exact.add(candidates[done:done + batch])
         done, batch = done + batch, batch * 2
     return min(done, len(candidates))
 
 
 def full_scan(score: Callable[[np.ndarray], np.ndarray], items: list[str], k: int,
-               chunk: int = 4096) -> Ranking:
+              chunk: int = 4096) -> Ranking:
     """Every item scored: the reference the certificate is checked against."""
-    exact = np.concatenate([score(np.arange(first, min(first + chunk, len(items))))
-                            for first in range(0, len(items), chunk)] or [np.zeros(0)])
-    return _ranking(exact.astype(np.float64), items, min(k, len(items)), True, 0.0, 0)
-
-
-def _kth(exact: np.ndarray, k: int) -> float:
-    """The k-th best exact score so far (-inf while fewer than k items are scored)."""
-    scored = exact[~np.isnan(exact)]
-    return float(-np.partition(-scored, k - 1)[k - 1]) if len(scored) >= k > 0 else -np.inf
-
-
-def _ranking(exact: np.ndarray, items: list[str], k: int, certified: bool, gap: float,
-             keys: int) -> Ranking:
-    """The k best scored items, best first, ties in index order (as the exact scan)."""
-    scored = np.flatnonzero(~np.isnan(exact))
-    best = scored[np.argsort(-exact[scored], kind="stable")[:k]]
-    return Ranking([Hit(items[p], float(exact[p]), int(p)) for p in best], certified,
-                   0.0 if certified else float(max(gap, 0.0)), len(scored), keys)
+    exact = Scores(score)
+    for first in range(0, len(items), chunk):
+        exact.add(np.arange(first, min(first + chunk, len(items))))
+    return exact.ranking(items, min(k, len(items)), True, 0.0, 0)

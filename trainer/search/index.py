@@ -269,6 +269,7 @@ class Collection:
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
         self.exact_up_to = exact_up_to  # up to this many items: every item is scored
         self._everything: FragmentSet | None = None  # float32 rows of an exact collection
+        self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
         if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
             raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
                                  f"({len(items)} items): rebuild it with defrag index")
@@ -276,9 +277,10 @@ class Collection:
     def reach(self, query_norm: float) -> tuple[Callable[[np.ndarray], np.ndarray], float]:
         """eq. 6's weight w(n) of an item of n rows against this query (the item's factor
         times the query's), and max_n n w(n) over the collection's items."""
-        counts = self.counts[self.counts > 0].astype(np.float64)
-        reach = float(np.max(counts * self.norm(counts), initial=0.0)) * query_norm
-        return (lambda n: self.norm(np.maximum(n, 1)) * query_norm), reach
+        if self._reach is None:
+            counts = np.unique(self.counts[self.counts > 0]).astype(np.float64)
+            self._reach = float(np.max(counts * self.norm(counts), initial=0.0))
+        return (lambda n: self.norm(np.maximum(n, 1)) * query_norm), self._reach * query_norm
 
     def retrieve(self, query: FragmentSet, keys: int, probe: int) -> Retrieved:
         """The first stage for `query` (one item): each query key's `keys` best keys in the
