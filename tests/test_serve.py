@@ -5,11 +5,14 @@ every bad input of issue #17 gets one clear 4xx line and the server answers afte
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.client
 import io
 import json
 import re
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 import requests
+import torch
 from PIL import Image
+from uvicorn.config import STARTUP_FAILURE
 
 import trainer.search.index_builder
 import trainer.search.serve as serve
 from defrag.files import CHECKSUMS
+from tests import DEFRAG
 from tests.search_world import SearchWorld, search_world, serving
 from trainer.search.index import IndexMismatch, SearchIndex
 
@@ -365,11 +372,11 @@ def test_the_command_serves_on_localhost_by_default(world: SearchWorld,
     started = {}
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, host, port: started.update(
         app=app, host=host, port=port))
-    serve.main(["--index", str(world.index)])
+    serve.main(["--index", str(world.index), "--workers", "1"])
     assert (started["host"], started["port"]) == ("127.0.0.1", 8000)
     with serving(started["app"]) as base:
         assert requests.get(f"{base}/api/info").json()["max_upload_bytes"] == 10 * 2**20
-    serve.main(["--index", str(world.index), "--max-image-pixels", "4000"])
+    serve.main(["--index", str(world.index), "--workers", "1", "--max-image-pixels", "4000"])
     with serving(started["app"]) as base:  # a 64 x 64 photo is over 4000 pixels
         assert requests.get(f"{base}/api/info").json()["max_image_pixels"] == 4000
         answer = requests.post(f"{base}/api/sentences", headers={"Content-Type": "image/png"},
@@ -377,3 +384,108 @@ def test_the_command_serves_on_localhost_by_default(world: SearchWorld,
         assert answer.status_code == 413 and "over the limit of 4000" in answer.json()["error"]
     with pytest.raises(SystemExit):
         serve.main(["--index", str(world.index), "--max-image-pixels", "0"])
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=5).ok
+    except requests.ConnectionError:
+        return False
+
+
+def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> None:
+    """`defrag serve --workers 2`, the real command: on 127.0.0.1 by default, two worker
+    processes each with the index's rows mapped, both taking connections on the one port and
+    answering what one process answers; SIGTERM stops them all."""
+    port = free_port()
+    server = subprocess.Popen([DEFRAG, "serve", "--index", str(world.index), "--port", str(port),
+                               "--workers", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while not answers(f"{url}/api/info"):
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, "the server did not answer within 120 s"
+            time.sleep(0.2)
+        parent = psutil.Process(server.pid)
+        assert [c.laddr for c in parent.net_connections("tcp") if c.status == "LISTEN"] == [
+            ("127.0.0.1", port)]
+        rows = str((world.index / "images.safetensors").resolve())
+        while True:  # until both are up: the first answers while the other may be starting
+            workers = [child for child in parent.children()
+                       if rows in {m.path for m in child.memory_maps()}]
+            held = connections_held(workers, port, url, world)
+            if len(workers) == 2 and min(held) > 0:
+                break
+            assert time.monotonic() < deadline, (
+                f"{len(workers)} workers map the index's rows, holding {held} connections")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert server.returncode == 0
+    assert not [worker for worker in workers if worker.is_running()]
+
+
+def connections_held(workers: list[psutil.Process], port: int, url: str,
+                     world: SearchWorld) -> list[int]:
+    """16 clients search at once, each on a connection of its own (kept alive, so it stays with
+    the worker that accepted it): how many each worker holds; every answer is checked."""
+    sessions = [requests.Session() for _ in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        found = list(pool.map(lambda session: session.get(
+            f"{url}/api/search", params={"q": world.query, "k": 1}).json(), sessions))
+    assert [answer["results"][0]["image"] for answer in found] == [world.expected] * 16
+    held = [sum(c.laddr.port == port and c.status == "ESTABLISHED"
+                for c in worker.net_connections("tcp")) for worker in workers]
+    for session in sessions:
+        session.close()
+    assert sum(held) == 16, held
+    return held
+
+
+def test_a_bad_index_stops_the_command_in_one_line_before_any_worker(world: SearchWorld) -> None:
+    """The parent opens the index once before starting workers: one line, exit status 1, no
+    traceback of each worker."""
+    result = subprocess.run([DEFRAG, "serve", "--index", str(world.photos), "--port",
+                             str(free_port()), "--workers", "2"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr
+    assert result.stderr.startswith("defrag serve: error: ") and "is not a search index" in (
+        result.stderr)
+
+
+def test_a_worker_opens_its_index_with_its_share_of_threads(world: SearchWorld,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    """A worker's app (what uvicorn's factory builds in each process) serves the index of its
+    settings with their torch threads; an index it cannot open is one error line and uvicorn's
+    start-up failure status, which stops the server instead of restarting the worker forever."""
+    threads = torch.get_num_threads()
+    settings = serve.WorkerSettings(index=str(world.index), model=None,
+                                    max_upload_bytes=UPLOAD_LIMIT, max_image_pixels=4000,
+                                    upload_slots=1, threads=1)
+    monkeypatch.setenv(serve.SETTINGS_VARIABLE, settings.to_json())
+    try:
+        with serving(serve.app_from_env()) as base:
+            info = requests.get(f"{base}/api/info").json()
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert (info["max_upload_bytes"], info["max_image_pixels"]) == (UPLOAD_LIMIT, 4000)
+    monkeypatch.setenv(serve.SETTINGS_VARIABLE, dataclasses.replace(
+        settings, index=str(world.photos)).to_json())
+    with pytest.raises(SystemExit) as exit_:
+        serve.app_from_env()
+    assert exit_.value.code == STARTUP_FAILURE
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "is not a search index" in errors[0] and "\n" not in errors[0]

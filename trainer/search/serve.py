@@ -2,27 +2,36 @@
 photo collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
 
     defrag serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
-                            [--max-upload-mb 10] [--max-image-pixels 40000000]
-                            [--upload-slots 2]
+                            [--workers CPUS] [--max-upload-mb 10]
+                            [--max-image-pixels 40000000] [--upload-slots 1]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
 /openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/search/static:
 nothing is fetched from the internet (FastAPI's /docs and /redoc, which load Swagger from a CDN, are
 off).
 
-Endpoints that run the model are plain `def`: FastAPI runs them in its thread pool, several at
-once. SearchIndex serialises its parser itself; the model only runs forward passes in eval mode,
-which torch allows from several threads, so no lock is taken here. Every bad input answers a 4xx
-with {"error": "one line"} and the server goes on.
+--workers N worker processes (uvicorn's, default: the CPUs this process may run on) serve the
+one listening socket, each with the index opened by itself (its rows memory-mapped read-only, so
+the workers share their pages), its own model and parser, and CPUs / N torch threads. The parent
+opens the index once first, so that a bad one stops the command in one line.
+
+Within a worker, endpoints that run the model are plain `def`: FastAPI runs them in its thread
+pool, several at once. SearchIndex serialises its parser itself; the model only runs forward
+passes in eval mode, which torch allows from several threads, so no lock is taken here. Every bad
+input answers a 4xx with {"error": "one line"} and the server goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import io
+import json
 import logging
+import os
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +39,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
 
+import faiss
+import torch
 import uvicorn
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +48,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from uvicorn.config import STARTUP_FAILURE
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
@@ -49,7 +61,9 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 MIB = 2**20
 MAX_K = 100  # results one request may ask for
-UPLOAD_SLOTS = 2  # uploads decoded at once: the server's memory is bounded by this x one upload's
+UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x this x one upload
+SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
+LOG_FORMAT = "%(levelname)s %(message)s"
 
 
 class ErrorBody(BaseModel):
@@ -267,8 +281,59 @@ def sentence_results(hits: list[Hit]) -> list[dict[str, Any]]:
             for rank, hit in enumerate(hits, 1)]
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What each worker process opens and serves; main() passes it through the environment,
+    since uvicorn starts its workers from an import string (app_from_env)."""
+
+    index: str
+    model: str | None
+    max_upload_bytes: int
+    max_image_pixels: int
+    upload_slots: int
+    threads: int  # the worker's torch and faiss threads
+    debug: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn's app factory in each worker process: the index of the settings in
+    SETTINGS_VARIABLE, opened by this process. One that fails is one error line and uvicorn's
+    start-up failure status, on which uvicorn stops the server (on any other it would start the
+    worker again, and again)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = WorkerSettings(**json.loads(os.environ[SETTINGS_VARIABLE]))
+    try:
+        index = SearchIndex.open(Path(settings.index), settings.model and Path(settings.model),
+                                 settings.max_image_pixels)
+        return worker_app(index, settings)
+    except Exception as err:
+        log.error("defrag serve: error: worker %d: %s", os.getpid(), describe(err),
+                  exc_info=settings.debug)
+        sys.exit(STARTUP_FAILURE)
+
+
+def worker_app(index: SearchIndex, settings: WorkerSettings) -> FastAPI:
+    """The app of one worker over its opened index, with its threads and the parser loaded."""
+    torch.set_num_threads(settings.threads)
+    faiss.omp_set_num_threads(settings.threads)
+    index.warm_up()
+    return create_app(index, settings.max_upload_bytes, settings.upload_slots)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a job's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def main(argv: list[str] | None = None) -> None:
     """`defrag serve --index INDEX`: open the index, then serve until interrupted."""
+    cpus = available_cpus()
     parser = argparse.ArgumentParser(prog="defrag serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", required=True, type=Path,
@@ -278,24 +343,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=cpus,
+                        help=f"worker processes, each with the index open and its own model and "
+                             f"parser, and CPUs / workers threads (default: the CPUs this "
+                             f"process may run on, {cpus} here)")
     parser.add_argument("--max-upload-mb", type=float, default=10.0,
                         help="largest image upload, in MiB (default 10)")
     add_pixel_limit_flag(parser)
     parser.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS,
-                        help=f"uploads decoded at once, the others wait (default {UPLOAD_SLOTS}): "
-                             f"peak memory grows by about this x 8 bytes x --max-image-pixels")
+                        help=f"uploads each worker decodes at once, the others wait (default "
+                             f"{UPLOAD_SLOTS}): peak memory grows by about workers x this x 8 "
+                             f"bytes x --max-image-pixels")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.max_upload_mb <= 0:
         parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
     if args.upload_slots < 1:
         parser.error(f"--upload-slots must be >= 1, got {args.upload_slots}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    with one_line_errors(parser.prog, args.debug):
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = WorkerSettings(str(args.index), args.model and str(args.model),
+                              int(args.max_upload_mb * MIB), args.max_image_pixels,
+                              args.upload_slots, max(1, cpus // args.workers), args.debug)
+    with one_line_errors(parser.prog, args.debug):  # here once, not in each worker
         index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
-        index.warm_up()
-    app = create_app(index, int(args.max_upload_mb * MIB), args.upload_slots)
-    log.info("serving %d images and %d sentences of %s", len(index.image_names),
-             len(index.sentences), args.index)
-    uvicorn.run(app, host=args.host, port=args.port)
-
+        app = worker_app(index, settings) if args.workers == 1 else None
+    log.info("serving %d images and %d sentences of %s: %d worker(s) of %d thread(s)",
+             len(index.image_names), len(index.sentences), args.index, args.workers,
+             settings.threads)
+    if app is not None:  # one worker: this process
+        uvicorn.run(app, host=args.host, port=args.port)
+    else:
+        del index  # each worker opens its own
+        os.environ[SETTINGS_VARIABLE] = settings.to_json()
+        uvicorn.run("trainer.search.serve:app_from_env", factory=True, workers=args.workers,
+                    host=args.host, port=args.port)
