@@ -13,6 +13,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -405,7 +406,8 @@ def answers(url: str) -> bool:
 def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> None:
     """`defrag serve --workers 2`, the real command: on 127.0.0.1 by default, two worker
     processes each with the index's rows mapped, both taking connections on the one port and
-    answering what one process answers; SIGTERM stops them all."""
+    answering what one process answers, keep-alive requests not held back by Nagle's algorithm
+    (a delayed ACK costs each >= 40 ms); SIGTERM stops them all."""
     port = free_port()
     server = subprocess.Popen([DEFRAG, "serve", "--index", str(world.index), "--port", str(port),
                                "--workers", "2"], stderr=subprocess.PIPE, text=True)
@@ -427,6 +429,13 @@ def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> 
                 break
             assert time.monotonic() < deadline, (
                 f"{len(workers)} workers map the index's rows, holding {held} connections")
+        with requests.Session() as session:
+            latencies = []
+            for _ in range(21):
+                started = time.perf_counter()
+                assert session.get(f"{url}/api/info").ok
+                latencies.append(time.perf_counter() - started)
+        assert sorted(latencies)[10] < 0.03, latencies
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -461,6 +470,25 @@ def test_a_bad_index_stops_the_command_in_one_line_before_any_worker(world: Sear
     assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr
     assert result.stderr.startswith("defrag serve: error: ") and "is not a search index" in (
         result.stderr)
+
+
+def test_workers_that_cannot_open_the_index_stop_the_command(world: SearchWorld) -> None:
+    """Workers that fail at start-up (the index replaced after the command checked it: here the
+    command's own check is pointed at the good index) stop the server with exit status 1 and one
+    line each (the second may be stopped before it fails), not a loop of restarts."""
+    check_good_open_bad = (
+        "import sys, trainer.search.serve as serve\n"
+        "opened = serve.SearchIndex.open\n"
+        "serve.SearchIndex.open = lambda folder, *rest: opened(sys.argv[1], *rest)\n"
+        "serve.main(sys.argv[2:])\n")
+    result = subprocess.run([sys.executable, "-c", check_good_open_bad, str(world.index),
+                             "--index", str(world.photos), "--port", str(free_port()),
+                             "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    failures = [line for line in result.stderr.splitlines() if "is not a search index" in line]
+    assert 1 <= len(failures) <= 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(r"\ndefrag serve: error: [12] of 2 workers could not start: their lines "
+                     r"are above$", result.stderr.strip()), result.stderr
 
 
 def test_a_worker_opens_its_index_with_its_share_of_threads(world: SearchWorld,

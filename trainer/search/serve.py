@@ -31,6 +31,7 @@ import io
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
@@ -376,6 +378,22 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(app, host=args.host, port=args.port)
     else:
         del index  # each worker opens its own
-        os.environ[SETTINGS_VARIABLE] = settings.to_json()
-        uvicorn.run("trainer.search.serve:app_from_env", factory=True, workers=args.workers,
-                    host=args.host, port=args.port)
+        serve_in_workers(settings, args.host, args.port, args.workers)
+
+
+def serve_in_workers(settings: WorkerSettings, host: str, port: int, workers: int) -> None:
+    """uvicorn's supervisor and its `workers` processes (app_from_env) on one listening socket,
+    until interrupted; exit status 1 if workers could not start."""
+    os.environ[SETTINGS_VARIABLE] = settings.to_json()
+    config = uvicorn.Config("trainer.search.serve:app_from_env", factory=True, host=host,
+                            port=port, workers=workers)
+    # uvicorn binds it with protocol 0, for which asyncio leaves Nagle's algorithm on: each
+    # keep-alive request would wait for a delayed ACK, 40 ms (uvicorn issue #3149). The same
+    # socket, its protocol read from the kernel (TCP):
+    listener = socket.socket(fileno=config.bind_socket().detach())
+    supervisor = Multiprocess(config, sockets=[listener])
+    supervisor.run()
+    failed = sum(process.exitcode == STARTUP_FAILURE for process in supervisor.processes)
+    if failed:
+        sys.exit(f"defrag serve: error: {failed} of {workers} workers could not start: their "
+                 f"lines are above")
