@@ -1,13 +1,19 @@
-"""Two-stage search (trainer/search/index.py) against the exact scan: agreement, latency, memory.
+"""Certified search (trainer/search/index.py) against the exact scan: agreement, latency, memory.
 
-    # 1. the share of queries whose exact top 10 the two-stage search returns unchanged, per K,
-    #    on a real index (every indexed sentence queries the images, every image the sentences)
+    # 1. the share of queries certified and of those whose exact top 10 the search returns
+    #    unchanged, per first-stage width M, on a real index (every 5th indexed sentence queries
+    #    the images, every image the sentences)
     python benchmarks/bench_search.py agreement --index INDEX [--top 10]
-    # 2. latency per text query (parse + embed + first stage + exact eq. 6 over K) and memory
-    #    at several sizes of synthetic full-size fragments, the exact scan as the floor; then a
-    #    1M-image first stage alone
+    # 2. a large real index (benchmarks/search_collection.py): text queries ranking the images
+    #    and sampled indexed images ranking the sentences, certified against the exact scan
+    python benchmarks/bench_search.py certify --index INDEX --query-file QUERIES
+                                              [--queries 1000] [--top 10] [--budget-s S]
+    # 3. latency per text query (parse + embed + certified search) and memory at several sizes
+    #    of synthetic fragments (the index's rows plus noise), the exact scan as the floor; then
+    #    a 1M-image first stage alone
     python benchmarks/bench_search.py scale --index INDEX [--sizes 1000 10000 100000]
-                                            [--fragments 20] [--first-stage-only 1000000]
+                                            [--fragments 20] [--noise 0.5]
+                                            [--first-stage-only 1000000]
 
 `scale` takes the model, the embedding size and the query sentences from the real INDEX and
 writes synthetic indexes of that model under --work (default /tmp/defrag-bench-search); the
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import time
@@ -26,9 +33,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
+from tqdm import tqdm
 
+from trainer.search.certificate import Ranking
 from trainer.search.fragment_set import FragmentSet, rank
 from trainer.search.index import (
+    BUDGET_S,
+    FIRST_STAGE_DIMS,
     INDEX_FORMAT,
     IVF_PROBE,
     SearchIndex,
@@ -51,12 +62,11 @@ def exact_top(index: SearchIndex, images: FragmentSet, sentences: FragmentSet, t
                         for row in scores])
 
 
-def two_stage_top(index: SearchIndex, queries: FragmentSet, side: str, k: int,
-                  top: int) -> list[list[int]]:
-    """What SearchIndex returns for each query (stored rows as queries): top positions."""
+def certified_top(index: SearchIndex, queries: FragmentSet, side: str,
+                  top: int) -> list[Ranking]:
+    """What SearchIndex returns for each query (stored rows as queries)."""
     search = index.images_for_rows if side == "images" else index.sentences_for_rows
-    return [[hit.position for hit in search(queries.select([q]), top, k)]
-            for q in range(len(queries.items))]
+    return [search(queries.select([q]), top) for q in range(len(queries.items))]
 
 
 def agreement(args: argparse.Namespace) -> None:
@@ -78,17 +88,85 @@ def agreement(args: argparse.Namespace) -> None:
             continue
         for m in args.key_candidates:
             index.images.key_candidates = index.sentence_set.key_candidates = m
-            for k in args.candidates:
-                start = time.perf_counter()
-                found = two_stage_top(index, queries, side, k, args.top)
-                seconds = (time.perf_counter() - start) / len(found)
-                same = sum(f == t.tolist() for f, t in zip(found, truth, strict=True)) / len(found)
-                rows.append({"queries_rank": side, "M": m, "K": k, "unchanged_top": same,
-                             "ms_per_query_without_parse": 1000 * seconds})
-                print(f"  {side:>9} for {len(found)} queries, M {m:5d}, K {k:4d}: exact top "
-                      f"{args.top} unchanged for {100 * same:6.2f}%  ({1000 * seconds:.1f} "
-                      "ms/query without the parse)")
+            start = time.perf_counter()
+            found = certified_top(index, queries, side, args.top)
+            seconds = (time.perf_counter() - start) / len(found)
+            same = statistics.mean([h.position for h in f.hits] == t.tolist()
+                                   for f, t in zip(found, truth, strict=True))
+            certified = statistics.mean(f.exact for f in found)
+            rows.append({"queries_rank": side, "M": m, "certified": certified,
+                         "unchanged_top": same, "ms_per_query_without_parse": 1000 * seconds})
+            print(f"  {side:>9} for {len(found)} queries, M {m:5d}: certified "
+                  f"{100 * certified:6.2f}%, exact top {args.top} unchanged for "
+                  f"{100 * same:6.2f}%  ({1000 * seconds:.1f} ms/query without the parse)")
     print(json.dumps(rows))
+
+
+def timed_rankings(index: SearchIndex, queries: list, search, top: int,
+                   budget_s: float | None) -> list[dict]:
+    """Each query (a sentence, or an image's stored rows) searched by `search` (certified, then
+    the exact scan as the reference): its times, certificate and agreement."""
+    results = []
+    for query in tqdm(queries, desc="queries", unit="q", leave=False):
+        start = time.perf_counter()
+        rows = index.query_rows(query) if isinstance(query, str) else query
+        parsed = time.perf_counter()
+        ranking = search(rows, top, budget_s=budget_s)
+        done = time.perf_counter()
+        reference = search(rows, top, exact_scan=True)
+        results.append({"seconds": done - start, "search_s": done - parsed,
+                        "exact": ranking.exact, "gap": ranking.gap, "scored": ranking.scored,
+                        "keys": ranking.keys, "same": [h.position for h in ranking.hits]
+                        == [h.position for h in reference.hits]})
+    return results
+
+
+def summary(side: str, results: list[dict]) -> dict:
+    """The certified share, agreement with the exact scan and latency of one side's queries."""
+    certified = [r for r in results if r["exact"]]
+    ms = {key: 1000 * np.array([r[key] for r in results]) for key in ("seconds", "search_s")}
+    return {"queries_rank": side, "queries": len(results),
+            "certified": len(certified) / len(results),
+            "agree_certified": (statistics.mean(r["same"] for r in certified) if certified
+                                else None),
+            "agree_all": statistics.mean(r["same"] for r in results),
+            "p50_ms": float(np.median(ms["seconds"])),
+            "p95_ms": float(np.percentile(ms["seconds"], 95)),
+            "p50_ms_without_parse": float(np.median(ms["search_s"])),
+            "p95_ms_without_parse": float(np.percentile(ms["search_s"], 95)),
+            "scored_p50": float(np.median([r["scored"] for r in results])),
+            "keys_p50": float(np.median([r["keys"] for r in results])),
+            "gap_max": max(r["gap"] for r in results)}
+
+
+def certify(args: argparse.Namespace) -> None:
+    index = SearchIndex.open(args.index)
+    texts = [line.strip() for line in args.query_file.read_text().splitlines()
+             if line.strip()][:args.queries]
+    picked = random.Random(0).sample(range(len(index.image_names)),
+                                     min(args.image_queries, len(index.image_names)))
+    print(f"index {args.index}: {len(index.image_names)} images, {len(index.sentences)} "
+          f"sentences, score {index.embedder.cfg.objective.score}; {len(texts)} text queries "
+          f"from {args.query_file}, {len(picked)} image queries; top {args.top}, budget "
+          f"{args.budget_s} s")
+    for text in texts[:5]:  # warm up: the parser, the first touch of the pages
+        index.images_for_rows(index.query_rows(text), args.top, budget_s=args.budget_s)
+    rows = [summary("images", timed_rankings(index, texts, index.images_for_rows, args.top,
+                                             args.budget_s))]
+    if index.sentence_set is not None and picked:
+        images = [index.images.select([p]) for p in picked]
+        rows.append(summary("sentences", timed_rankings(
+            index, images, index.sentences_for_rows, args.top, args.budget_s)))
+    for row in rows:
+        print(f"  {row['queries']:5d} queries ranking {row['queries_rank']}: certified "
+              f"{100 * row['certified']:.1f}%, agreeing with the exact scan "
+              f"{100 * (row['agree_certified'] or 0):.1f}% of the certified, "
+              f"{100 * row['agree_all']:.1f}% of all; p50 {row['p50_ms']:.1f} ms, p95 "
+              f"{row['p95_ms']:.1f} ms ({row['p50_ms_without_parse']:.1f} / "
+              f"{row['p95_ms_without_parse']:.1f} ms without the parse)")
+    print(json.dumps({"index": str(args.index), "images": len(index.image_names),
+                      "sentences": len(index.sentences), "top": args.top,
+                      "budget_s": args.budget_s, "results": rows}))
 
 
 class SyntheticRows:
@@ -97,11 +175,11 @@ class SyntheticRows:
 
     BLOCK = 1 << 16
 
-    def __init__(self, real: torch.Tensor, count: int) -> None:
+    def __init__(self, real: torch.Tensor, count: int, noise: float = 0.5) -> None:
         self.real, self.count = real, count
         generator = torch.Generator().manual_seed(0)  # one block of noise, shuffled per block
-        self.noise = 0.5 * real.std(0) * torch.randn(self.BLOCK, real.shape[1],
-                                                     generator=generator)
+        self.noise = noise * real.std(0) * torch.randn(self.BLOCK, real.shape[1],
+                                                       generator=generator)
 
     def __len__(self) -> int:
         return self.count
@@ -125,9 +203,10 @@ def real_rows(real: SearchIndex) -> torch.Tensor:
     return real.images.select(range(len(real.image_names))).embeddings
 
 
-def synthetic_index(real: SearchIndex, folder: Path, images: int, fragments: int) -> None:
+def synthetic_index(real: SearchIndex, folder: Path, images: int, fragments: int,
+                    noise: float) -> None:
     """An index of the real model with `images` images of `fragments` rows (SyntheticRows)."""
-    source = SyntheticRows(real_rows(real), images * fragments)
+    source = SyntheticRows(real_rows(real), images * fragments, noise)
     rows = torch.cat([source.block(b) for b in range(-(-len(source) // source.BLOCK))]).half()
     owner = torch.arange(images).repeat_interleave(fragments)
     names = [f"{k:07d}.jpg" for k in range(images)]
@@ -181,21 +260,21 @@ def scale(args: argparse.Namespace) -> None:
         folder = args.work / f"images-{size}"
         shutil.rmtree(folder, ignore_errors=True)
         start = time.perf_counter()
-        synthetic_index(real, folder, size, args.fragments)
+        synthetic_index(real, folder, size, args.fragments, args.noise)
         built = time.perf_counter() - start
         before = process.memory_info().rss
         index = SearchIndex.open(folder)
         for text in texts[:5]:  # warm up: parser, first touch of the pages
             index.images_for(text)
-        times = []
+        times, certified = [], []
         for text in texts:
             start = time.perf_counter()
-            index.images_for(text)
+            certified.append(index.images_for(text).exact)
             times.append(time.perf_counter() - start)
         scans = [exact_scan(index, text) for text in texts[:args.exact_queries]]
         scan = min(seconds for seconds, _ in scans)
         unchanged = statistics.mean(
-            [hit.position for hit in index.images_for(text, 10)] == top
+            [hit.position for hit in index.images_for(text, 10).hits] == top
             for text, (_, top) in zip(texts, scans, strict=False))
         recall = first_stage_recall(index, texts[:10])
         row = {"images": size, "disk_gib": sum(p.stat().st_size for p in folder.iterdir()) / GIB,
@@ -204,13 +283,15 @@ def scale(args: argparse.Namespace) -> None:
                "exact_scan_ms": 1000 * scan, "rss_added_gib": (process.memory_info().rss
                                                               - before) / GIB,
                "first_stage": type(index.images.first).__name__, "build_s": built,
-               "first_stage_recall": recall, "top10_unchanged": unchanged}
+               "first_stage_recall": recall, "certified": statistics.mean(certified),
+               "top10_unchanged": unchanged}
         results.append(row)
         print(f"  {size:>7} images: p50 {row['p50_ms']:6.1f} ms, p95 {row['p95_ms']:6.1f} ms "
               f"per text query (floor: the exact scan {row['exact_scan_ms']:8.1f} ms); disk "
               f"{row['disk_gib']:.2f} GiB, resident +{row['rss_added_gib']:.2f} GiB after the "
               f"queries; first stage {row['first_stage']} (finds {100 * recall:.1f}% of the "
-              f"exact best keys); exact top 10 unchanged for {100 * unchanged:.0f}% of the first "
+              f"exact best keys); certified {100 * row['certified']:.0f}%, exact top 10 "
+              f"unchanged for {100 * unchanged:.0f}% of the first "
               f"{len(scans)} queries; written in {built:.0f} s")
         del index
         shutil.rmtree(folder)
@@ -226,7 +307,7 @@ def first_stage_only(real: SearchIndex, texts: list[str], images: int, fragments
     build time, memory, latency per text query."""
     rows = real_rows(real)
     keys = SyntheticRows(rows, images * fragments)
-    center, basis = fit_projection(rows)
+    center, basis = fit_projection(rows, FIRST_STAGE_DIMS)
     before = process.memory_info().rss
     start = time.perf_counter()
     first = build_first_stage(keys, center, basis)
@@ -258,12 +339,24 @@ def main() -> None:
     agree.add_argument("--sentence-step", type=int, default=5)
     agree.add_argument("--sides", nargs="+", default=["images", "sentences"],
                        help="what the queries rank: images (sentence queries), sentences")
-    agree.add_argument("--key-candidates", type=int, nargs="+", default=[300, 1000, 3000])
-    agree.add_argument("--candidates", type=int, nargs="+", default=[50, 100, 200])
+    agree.add_argument("--key-candidates", type=int, nargs="+", default=[300, 1000, 3000],
+                       help="keys each query row finds first (widened until certified)")
+    proof = commands.add_parser("certify")
+    proof.add_argument("--index", type=Path, required=True)
+    proof.add_argument("--query-file", type=Path, required=True,
+                       help="query sentences, one per line (search_collection.py's queries.txt)")
+    proof.add_argument("--queries", type=int, default=1000, help="text queries (the first N)")
+    proof.add_argument("--image-queries", type=int, default=200,
+                       help="indexed images (a seeded sample) ranking the sentences")
+    proof.add_argument("--top", type=int, default=10)
+    proof.add_argument("--budget-s", type=float, default=BUDGET_S,
+                       help="a search's latency budget, after which it stops widening")
     sizes = commands.add_parser("scale")
     sizes.add_argument("--index", type=Path, required=True)
     sizes.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     sizes.add_argument("--fragments", type=int, default=20)
+    sizes.add_argument("--noise", type=float, default=0.5,
+                       help="Gaussian noise added to the real rows, in units of their spread")
     sizes.add_argument("--queries", type=int, default=100)
     sizes.add_argument("--exact-queries", type=int, default=10,
                        help="queries also scanned exactly (the floor, and the top-10 agreement)")
@@ -272,7 +365,7 @@ def main() -> None:
     sizes.add_argument("--work", type=Path, default=Path("/tmp/defrag-bench-search"))
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    agreement(args) if args.command == "agreement" else scale(args)
+    {"agreement": agreement, "certify": certify, "scale": scale}[args.command](args)
 
 
 if __name__ == "__main__":
