@@ -6,6 +6,7 @@ first stage that ignores the query fails the same check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,16 +112,18 @@ def test_a_first_stage_that_ignores_the_query_is_caught(tmp_path: Path,
     opened.key_candidates = 200
     assert disagreements(opened, "eq6", True, budget_s=0.0)[:2] == ([], 24)  # one round
     other = fragments(2, 1, seed=7, side=-1.0).select([1])
-    retrieve = index.Collection.retrieve
+    first_stage = index.Collection.first_stage
 
-    def ignores_the_query(self: index.Collection, query: FragmentSet, keys: int,
-                          probe: int) -> Retrieved:
-        found = retrieve(self, other, keys, probe)
-        rows = len(query.embeddings)
-        return Retrieved(found.items, found.rows % rows, found.upper,
-                         np.resize(found.unseen, rows), found.keys, found.complete)
+    def ignores_the_query(self: index.Collection, query: FragmentSet) -> Callable:
+        search, rows = first_stage(self, other), len(query.embeddings)
 
-    monkeypatch.setattr(index.Collection, "retrieve", ignores_the_query)
+        def answer(keys: int, probe: int) -> Retrieved:
+            found = search(keys, probe)
+            return Retrieved(found.items, found.rows % rows, found.upper,
+                             np.resize(found.unseen, rows), found.keys, found.complete)
+        return answer
+
+    monkeypatch.setattr(index.Collection, "first_stage", ignores_the_query)
     wrong, certified, _ = disagreements(opened, "eq6", True, budget_s=0.0)
     assert wrong or certified < 24, "a first stage ignoring the query went unnoticed"
 
@@ -131,6 +134,21 @@ def test_widening_reaches_everything_and_then_scans(tmp_path: Path) -> None:
     order."""
     opened = collection(tmp_path, "eq6", True)
     query = FragmentSet(["x"], torch.zeros(1, DIM), owners([1]), torch.zeros(1, 3))
+    found = index.search(opened, query, TOP, True, SMOOTH, "eq6", budget_s=None)
+    truth = index.search(opened, query, TOP, True, SMOOTH, "eq6", exact_scan=True)
+    assert found.exact and [h.position for h in found.hits] == [h.position for h in truth.hits]
+
+
+def test_an_ivf_with_empty_lists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """600 items on 4 distinct rows: most of the IVF's 48 lists stay empty, and are bounded."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    rows = fragments(5, 1, seed=3, side=1.0).embeddings
+    items = FragmentSet([f"item-{k}" for k in range(ITEMS)], rows[torch.arange(ITEMS) % len(rows)],
+                        owners([1] * ITEMS), torch.zeros(ITEMS, 4))
+    index.write_collection(tmp_path, "images", items, "eq6")
+    opened = index.Collection(tmp_path, "images", items.items, "eq6", lambda n: 1 / n)
+    assert opened.lists == 48 and (opened.list_radius == 0).sum() >= 40
+    query = fragments(3, 3, seed=4, side=-1.0).select([1])
     found = index.search(opened, query, TOP, True, SMOOTH, "eq6", budget_s=None)
     truth = index.search(opened, query, TOP, True, SMOOTH, "eq6", exact_scan=True)
     assert found.exact and [h.position for h in found.hits] == [h.position for h in truth.hits]

@@ -87,7 +87,7 @@ def test_the_first_stage_bounds_every_pair_it_keeps_and_drops(world: World,
     exact = exact_scores(world, world.model_dir)
     for q, text in enumerate(world.captions):
         query = searched.query_rows(text)
-        found = searched.images.retrieve(query, 2, 1)
+        found = searched.images.first_stage(query)(2, 1)
         kept = set()
         for item, j, upper in zip(found.items, found.rows, found.upper, strict=True):
             rows = [i for i in range(len(images.embeddings)) if images.owner[i] == item]

@@ -119,18 +119,22 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
     """The top k of `items` by `score` (exact scores of sorted positions), certified.
     `search(keys, probe)` is the first stage; it is widened WIDEN-fold while the bound on the
     items it did not retrieve is above what the k-th item can score, until the certificate
-    holds, everything was retrieved, or `budget_s` seconds passed (then exact=False)."""
+    holds, everything was retrieved, or the next round would end after `budget_s` seconds
+    (then exact=False)."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     exact = Scores(score)
     k = min(k, len(items))
     if not k:
         return Ranking([], True, 0.0, 0, 0)
     while True:
+        started = time.monotonic()
         found = search(keys, probe)
+        took = time.monotonic() - started  # the next round searches WIDEN times as much
         candidates, bounds, outside = item_bounds(found, eq6, counts, weight, reach)
         order = np.argsort(-bounds, kind="stable")
         candidates, bounds = candidates[order], bounds[order]
-        last = found.complete or (deadline is not None and time.monotonic() > deadline)
+        last = found.complete or (deadline is not None
+                                  and time.monotonic() + WIDEN * took > deadline)
         possible = bounds[k - 1] if len(bounds) >= k else -np.inf  # the k-th can score at most
         if possible <= outside and not last:
             keys, probe = keys * WIDEN, probe * WIDEN  # no certificate yet: widen first

@@ -68,7 +68,7 @@ IVF_PROBE = 32  # lists an IVF first stage searches
 KEY_CANDIDATES = 1000  # keys each query row finds first (eq. 6; benchmarks/bench_search.py)
 CANDIDATES = 50  # items the first stage finds first for the cosine and inner scores
 EXACT_SENTENCES = 20_000  # sentence sets up to this size are scanned exactly (no first stage)
-BUDGET_S = 2.0  # a search stops widening its first stage after this long (then not exact)
+BUDGET_S = 0.5  # a search widens its first stage only while it would end within this
 ROUNDING = 2**-15  # float32 rounding allowed in the first stage, relative to |q| max |k|
 BLOCK = 1 << 16  # keys projected at a time
 MAX_QUERY_CHARS = 1000
@@ -173,7 +173,8 @@ def first_stage_bounds(first: faiss.Index, keys: torch.Tensor, center: torch.Ten
     home = np.zeros(len(keys), np.int64)  # each key's list
     for number in range(lists):
         size = first.invlists.list_size(number)
-        home[faiss.rev_swig_ptr(first.invlists.get_ids(number), size).copy()] = number
+        if size:  # an empty list has no ids array
+            home[faiss.rev_swig_ptr(first.invlists.get_ids(number), size).copy()] = number
     for begin in range(0, len(keys), BLOCK):
         projected = project(keys[begin:begin + BLOCK], center, basis, queries=False)
         largest = max(largest, float(np.linalg.norm(projected, axis=1).max()))
@@ -270,6 +271,7 @@ class Collection:
         self.exact_up_to = exact_up_to  # up to this many items: every item is scored
         self._everything: FragmentSet | None = None  # float32 rows of an exact collection
         self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
+        self._keys: torch.Tensor | None = None  # a flat first stage's keys (`_flat_keys`)
         if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
             raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
                                  f"({len(items)} items): rebuild it with defrag index")
@@ -282,38 +284,66 @@ class Collection:
             self._reach = float(np.max(counts * self.norm(counts), initial=0.0))
         return (lambda n: self.norm(np.maximum(n, 1)) * query_norm), self._reach * query_norm
 
-    def retrieve(self, query: FragmentSet, keys: int, probe: int) -> Retrieved:
-        """The first stage for `query` (one item): each query key's `keys` best keys in the
-        `probe` best IVF lists, each returned pair with an upper bound on its exact inner
-        product, and the bound on every pair not returned (trainer/search/certificate.py)."""
+    def first_stage(self, query: FragmentSet) -> Callable[[int, int], Retrieved]:
+        """The first stage opened for `query` (one item): `search(keys, probe)` returns each
+        query key's `keys` best keys (in the `probe` best lists of an IVF), each returned pair
+        with an upper bound on its exact inner product, and the bound on every pair not
+        returned (trainer/search/certificate.py). A flat first stage computes every product
+        once (one pass over the keys) and widens by keeping more of them."""
         q, _ = first_stage_keys(query, self.score)
         q = q.float()
         probes = project(q, self.center, self.basis, queries=True)
-        q_len = np.linalg.norm(probes, axis=1).astype(np.float64)
-        q_out = left_out(q, self.basis).numpy().astype(np.float64)
-        slack = ROUNDING * q_len * self.largest_key  # float32 rounding of faiss' inner products
-        found = min(keys, self.first.ntotal)
+        lengths = np.linalg.norm(probes, axis=1).astype(np.float64)
+        outside = left_out(q, self.basis).numpy().astype(np.float64)
+        total = self.first.ntotal
         if self.lists:
-            probe = min(probe, self.lists)
-            self.first.nprobe = probe
-            near, lists = self.first.quantizer.search(probes, probe)
-            scores, ids = self.first.search_preassigned(probes, found, lists, near)
-            unsearched = probes @ self.list_center.T + q_len[:, None] * self.list_radius
-            np.put_along_axis(unsearched, lists, -np.inf, axis=1)
-            beyond = unsearched.max(axis=1, initial=-np.inf)
-        else:
-            probe = 0
-            scores, ids = self.first.search(probes, found)
-            beyond = np.full(len(probes), -np.inf)
-        full = ids[:, -1] >= 0  # a row that returned all it asked for has keys unreturned
+            return lambda keys, probe: self._bounded(
+                *self._ivf_search(probes, lengths, min(keys, total), min(probe, self.lists)),
+                lengths, outside, min(keys, total))
+        products = torch.from_numpy(probes) @ self._flat_keys().T  # [m, N]: every product once
+
+        def search(keys: int, probe: int) -> Retrieved:
+            scores, ids = torch.topk(products, min(keys, total), dim=1)
+            return self._bounded(scores.numpy(), ids.numpy(), np.full(len(probes), -np.inf),
+                                 keys >= total, lengths, outside, min(keys, total))
+        return search
+
+    def _flat_keys(self) -> torch.Tensor:
+        """The keys a flat first stage holds [N, r + 1], without a copy."""
+        if self._keys is None:
+            dims = self.first.d
+            self._keys = torch.from_numpy(faiss.rev_swig_ptr(
+                self.first.get_xb(), self.first.ntotal * dims).reshape(-1, dims))
+        return self._keys
+
+    def _ivf_search(self, probes: np.ndarray, lengths: np.ndarray, found: int,
+                    probe: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """An IVF first stage's search of the `probe` best lists, and the bound on the keys of
+        the lists it did not search: q . centre + |q| radius (the radius is the farthest key)."""
+        self.first.nprobe = probe
+        near, lists = self.first.quantizer.search(probes, probe)
+        scores, ids = self.first.search_preassigned(probes, found, lists, near)
+        unsearched = probes @ self.list_center.T + lengths[:, None] * self.list_radius
+        np.put_along_axis(unsearched, lists, -np.inf, axis=1)
+        complete = found >= self.first.ntotal and probe >= self.lists
+        return scores, ids, unsearched.max(axis=1, initial=-np.inf), complete
+
+    def _bounded(self, scores: np.ndarray, ids: np.ndarray, beyond: np.ndarray,
+                 complete: bool, lengths: np.ndarray, outside: np.ndarray,
+                 found: int) -> Retrieved:
+        """A first-stage answer with its bounds: a returned pair's projected product plus what
+        the codes and the projection leave out and the rounding; an unreturned pair's, the
+        last returned product (rows that returned all they asked for) or `beyond`, plus the
+        same with the largest part any key leaves out."""
+        slack = ROUNDING * lengths * self.largest_key  # float32 rounding of the products
+        full = ids[:, -1] >= 0
         last = np.where(full & (found < self.first.ntotal), scores[:, -1], -np.inf)
-        last = last + self.code_error * q_len
-        unseen = np.maximum(last, beyond) + self.largest_residual * q_out + slack
+        unseen = (np.maximum(last + self.code_error * lengths, beyond)
+                  + self.largest_residual * outside + slack)
         row, column = np.nonzero(ids >= 0)
         key = ids[row, column]
-        upper = (scores[row, column] + self.code_error * q_len[row] + slack[row]
-                 + self.residual[key] * q_out[row])
-        complete = found >= self.first.ntotal and (not self.lists or probe >= self.lists)
+        upper = (scores[row, column] + self.code_error * lengths[row] + slack[row]
+                 + self.residual[key] * outside[row])
         return Retrieved(self.key_item[key], row, upper, unseen, found, complete)
 
     def scorer(self, query: FragmentSet, image_side: bool,
@@ -359,7 +389,7 @@ def search(collection: Collection, query: FragmentSet, k: int, image_side: bool,
     weight, reach = collection.reach(1 / (m + smooth) if image_side else 1 / max(m, 1))
     eq6 = score == "eq6"
     return certified_top_k(
-        lambda keys, probe: collection.retrieve(query, keys, probe), exact, collection.items,
+        collection.first_stage(query), exact, collection.items,
         k, eq6=eq6, counts=collection.counts, weight=weight, reach=reach,
         keys=collection.key_candidates if eq6 else max(k, CANDIDATES), probe=collection.probe,
         budget_s=budget_s)
