@@ -83,16 +83,24 @@ def item_bounds(found: Retrieved, eq6: bool, counts: np.ndarray,
 
 
 class Scores:
-    """The exact scores of the items scored so far (positions -> the model's score)."""
+    """The exact scores of the items scored so far (positions -> the model's score), and the
+    time they took (to tell whether more fit in the budget)."""
 
     def __init__(self, score: Callable[[np.ndarray], np.ndarray]) -> None:
-        self.score, self.of = score, {}
+        self.score, self.of, self.seconds = score, {}, 0.0
 
     def add(self, positions: np.ndarray) -> None:
         """Score the positions not scored yet (in index order, as `score` takes them)."""
         todo = np.sort(np.array([p for p in positions.tolist() if p not in self.of], np.int64))
         if len(todo):
+            started = time.monotonic()
             self.of.update(zip(todo.tolist(), self.score(todo).tolist(), strict=True))
+            self.seconds += time.monotonic() - started
+
+    def fit(self, count: int, deadline: float | None) -> bool:
+        """Whether scoring `count` more items, at the pace so far, ends before `deadline`."""
+        pace = self.seconds / max(len(self.of), 1)
+        return deadline is None or time.monotonic() + pace * count <= deadline
 
     def kth(self, k: int) -> float:
         """The k-th best score so far (-inf while fewer than k items are scored)."""
@@ -140,13 +148,14 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
             keys, probe = keys * WIDEN, probe * WIDEN  # no certificate yet: widen first
             continue
         done = _rescore(exact, candidates, bounds, k,
-                        len(candidates) if possible > outside else max(k, RESCORE_FIRST))
+                        len(candidates) if possible > outside else max(k, RESCORE_FIRST),
+                        deadline)
         left = max(outside, bounds[done] if done < len(bounds) else -np.inf)
         kth = exact.kth(k)
         if kth > left:
             return exact.ranking(items, k, True, 0.0, found.keys)
-        if found.complete:  # everything retrieved, yet ties at the k-th score: scan the rest
-            exact.add(np.arange(len(items)))
+        if found.complete and exact.fit(len(items) - len(exact.of), deadline):
+            exact.add(np.arange(len(items)))  # every key returned, yet ties: score the rest
             return exact.ranking(items, k, True, 0.0, found.keys)
         if last:
             low = kth if len(exact.of) >= k else min(exact.of.values(), default=0.0)
@@ -155,11 +164,13 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
 
 
 def _rescore(exact: Scores, candidates: np.ndarray, bounds: np.ndarray, k: int,
-             most: int) -> int:
+             most: int, deadline: float | None) -> int:
     """Score candidates exactly in order of their bounds (descending), a doubling batch at a
-    time, until the k-th exact score beats the next bound or `most` were taken; how many."""
+    time, until the k-th exact score beats the next bound, `most` were taken, or the next
+    batch would end after `deadline` (the first always runs); how many."""
     done, batch = 0, max(RESCORE_FIRST, k)
-    while done < min(most, len(candidates)) and not exact.kth(k) > bounds[done]:
+    while (done < min(most, len(candidates)) and not exact.kth(k) > bounds[done]
+           and (not done or exact.fit(batch, deadline))):
         exact.add(candidates[done:done + batch])
         done, batch = done + batch, batch * 2
     return min(done, len(candidates))
