@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 INDEX_FORMAT = 2  # 2: the certificate's bounds (first_stage_bounds)
 FIRST_STAGE_DIMS = 256  # principal directions of an IVF first stage's keys (+ 1 column)
 PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
-IVF_FROM = 200_000  # keys from which the first stage is an IVF index instead of an exact scan
+IVF_FROM = 500_000  # keys from which the first stage is an IVF index instead of an exact scan
 SQ8_FROM = 5_000_000  # keys from which the IVF keeps 8-bit codes instead of float32
 IVF_PROBE = 32  # lists an IVF first stage searches
 KEY_CANDIDATES = 1000  # keys each query row finds first (eq. 6; benchmarks/bench_search.py)
@@ -350,11 +350,16 @@ class Collection:
                rank_fn: Callable[[FragmentSet, FragmentSet], torch.Tensor]
                ) -> Callable[[np.ndarray], np.ndarray]:
         """Exact scores of positions (sorted) against `query`: the model's score, as the exact
-        scan and trainer.evaluate compute it."""
+        scan and trainer.evaluate compute it, in float64 rounded to float32, so an item scores
+        the same whichever batch it is scored in (float32 products depend on the batch's
+        shape by an ulp, which would reorder identical sentences)."""
+        query = dataclasses.replace(query, embeddings=query.embeddings.double())
+
         def score(positions: np.ndarray) -> np.ndarray:
             items = self.select(positions.tolist())
+            items = dataclasses.replace(items, embeddings=items.embeddings.double())
             scores = rank_fn(items, query)[:, 0] if image_side else rank_fn(query, items)[0]
-            return scores.numpy().astype(np.float64)
+            return scores.float().numpy().astype(np.float64)
         return score
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
