@@ -10,9 +10,9 @@ cores they kept busy, this process's how many the clients took. Without --index 
 world is built (tests/search_world.py: ~30 s, a trained model and an index of 8 photos and 40
 sentences) under --work, or reused from there.
 
-    python benchmarks/bench_serve.py [--index INDEX] [--workers 1 2] [--clients 1 8 64]
-                                     [--queries 400] [--seconds 30] [--k 10]
-                                     [--work /tmp/defrag-bench-serve]
+    python benchmarks/bench_serve.py [--index INDEX] [--workers 1 2] [--threads N]
+                                     [--clients 1 8 64] [--queries 400] [--seconds 30]
+                                     [--k 10] [--work /tmp/defrag-bench-serve]
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def measure(index: Path, workers: int, queries: list[str], args: argparse.Namesp
             ) -> list[dict]:
     """One phase per --clients count against `defrag serve --workers workers`."""
     port = free_port()
-    server = start_server(index, port, "--workers", str(workers))
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    server = start_server(index, port, "--workers", str(workers), *threads)
     try:
         url = f"http://127.0.0.1:{port}/api/search"
         process = psutil.Process(server.pid)
@@ -151,6 +152,9 @@ def main() -> None:
                         help="where the tests' world is built without --index")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="server worker processes, one server each (default 1 2)")
+    parser.add_argument("--threads", type=int,
+                        help="torch and faiss threads per worker (default: the server's, CPUs / "
+                             "workers)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64],
                         help="concurrent clients, one phase each (default 1 8 64)")
     parser.add_argument("--queries", type=int, default=400, help="searches per phase, at most")
@@ -174,7 +178,7 @@ def main() -> None:
         print(f"| {row['workers']} | {row['clients']} | {row['queries_per_s']:.1f}{scale} | "
               f"{row['p50_ms']:.0f} ms | {row['p95_ms']:.0f} ms | "
               f"{row['server_cores_busy']:.2f} cores | {row['client_cores_busy']:.2f} cores |")
-    print(json.dumps({"index": str(index), "k": args.k, "phases": rows}))
+    print(json.dumps({"index": str(index), "k": args.k, "threads": args.threads, "phases": rows}))
 
 
 if __name__ == "__main__":

@@ -387,6 +387,23 @@ def test_the_command_serves_on_localhost_by_default(world: SearchWorld,
         serve.main(["--index", str(world.index), "--max-image-pixels", "0"])
 
 
+def test_one_worker_takes_every_cpu_unless_told(world: SearchWorld,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker runs CPUs / 1 torch threads; --threads sets them (one is faster on a busy
+    machine, where a second thread waits for a core at each parallel step)."""
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, host, port: None)
+    threads = torch.get_num_threads()
+    try:
+        serve.main(["--index", str(world.index), "--workers", "1"])
+        assert torch.get_num_threads() == serve.available_cpus()
+        serve.main(["--index", str(world.index), "--workers", "1", "--threads", "1"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(SystemExit):
+        serve.main(["--index", str(world.index), "--threads", "0"])
+
+
 # ---------------------------------------------------------------- worker processes
 
 

@@ -2,7 +2,7 @@
 photo collection: sentence -> images, image (indexed or uploaded) -> sentences, and why (Figure 4).
 
     defrag serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
-                            [--workers CPUS] [--max-upload-mb 10]
+                            [--workers CPUS] [--threads CPUS/WORKERS] [--max-upload-mb 10]
                             [--max-image-pixels 40000000] [--upload-slots 1]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
@@ -12,8 +12,9 @@ off).
 
 --workers N worker processes (uvicorn's, default: the CPUs this process may run on) serve the
 one listening socket, each with the index opened by itself (its rows memory-mapped read-only, so
-the workers share their pages), its own model and parser, and CPUs / N torch threads. The parent
-opens the index once first, so that a bad one stops the command in one line.
+the workers share their pages), its own model and parser, and CPUs / N torch and faiss threads
+(--threads). The parent opens the index once first, so that a bad one stops the command in one
+line.
 
 Within a worker, endpoints that run the model are plain `def`: FastAPI runs them in its thread
 pool, several at once. SearchIndex serialises its parser itself; the model only runs forward
@@ -347,8 +348,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=cpus,
                         help=f"worker processes, each with the index open and its own model and "
-                             f"parser, and CPUs / workers threads (default: the CPUs this "
-                             f"process may run on, {cpus} here)")
+                             f"parser (default: the CPUs this process may run on, {cpus} here)")
+    parser.add_argument("--threads", type=int,
+                        help="torch and faiss threads of each worker (default: CPUs / workers, "
+                             "at least 1)")
     parser.add_argument("--max-upload-mb", type=float, default=10.0,
                         help="largest image upload, in MiB (default 10)")
     add_pixel_limit_flag(parser)
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.max_upload_mb <= 0:
         parser.error(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
     if args.upload_slots < 1:
@@ -367,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = WorkerSettings(str(args.index), args.model and str(args.model),
                               int(args.max_upload_mb * MIB), args.max_image_pixels,
-                              args.upload_slots, max(1, cpus // args.workers), args.debug)
+                              args.upload_slots, args.threads or max(1, cpus // args.workers),
+                              args.debug)
     with one_line_errors(parser.prog, args.debug):  # here once, not in each worker
         index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
         app = worker_app(index, settings) if args.workers == 1 else None
