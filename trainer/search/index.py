@@ -67,7 +67,6 @@ SQ8_FROM = 5_000_000  # keys from which the IVF keeps 8-bit codes instead of flo
 IVF_PROBE = 32  # lists an IVF first stage searches
 KEY_CANDIDATES = 1000  # keys each query row finds first (eq. 6; benchmarks/bench_search.py)
 CANDIDATES = 50  # items the first stage finds first for the cosine and inner scores
-EXACT_SENTENCES = 20_000  # sentence sets up to this size are scanned exactly (no first stage)
 BUDGET_S = 0.5  # a search widens its first stage only while it would end within this
 ROUNDING = 2**-15  # float32 rounding allowed in the first stage, relative to |q| max |k|
 BLOCK = 1 << 16  # keys projected at a time
@@ -251,7 +250,7 @@ class Collection:
     eq. 6's factor of an item with n rows: 1 / n for images, 1 / (n + smooth) for sentences."""
 
     def __init__(self, folder: Path, stem: str, items: list[str], score: str,
-                 norm: Callable[[np.ndarray], np.ndarray], exact_up_to: int = 0) -> None:
+                 norm: Callable[[np.ndarray], np.ndarray]) -> None:
         arrays = memory_map(folder / f"{stem}.safetensors")
         self.items, self.score, self.norm = items, score, norm
         self.rows, self.scale = arrays["rows"], arrays["scale"]
@@ -268,8 +267,6 @@ class Collection:
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
         self.lists = self.first.nlist if isinstance(self.first, faiss.IndexIVF) else 0
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
-        self.exact_up_to = exact_up_to  # up to this many items: every item is scored
-        self._everything: FragmentSet | None = None  # float32 rows of an exact collection
         self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
         self._keys: torch.Tensor | None = None  # a flat first stage's keys (`_flat_keys`)
         if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
@@ -363,15 +360,7 @@ class Collection:
         return score
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
-        """The items at `positions` with their rows in float32 (all of an exact collection's
-        rows are kept in memory once read)."""
-        if len(self.items) <= self.exact_up_to and len(positions) == len(self.items):
-            if self._everything is None:
-                self._everything = self._read(positions)
-            return self._everything
-        return self._read(positions)
-
-    def _read(self, positions: Sequence[int]) -> FragmentSet:
+        """The items at `positions` with their rows in float32, read from the memory map."""
         rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
                 if len(positions) else np.zeros(0, np.int64))
         return FragmentSet([self.items[p] for p in positions],
@@ -384,11 +373,11 @@ class Collection:
 def search(collection: Collection, query: FragmentSet, k: int, image_side: bool, smooth: float,
            score: str, exact_scan: bool = False, budget_s: float | None = BUDGET_S) -> Ranking:
     """`collection`'s exact top k for `query` (one sentence against images when `image_side`,
-    else one image against sentences) by the model's score: every item scored when asked or
-    when the collection is small, else certified (trainer/search/certificate.py)."""
+    else one image against sentences) by the model's score: certified
+    (trainer/search/certificate.py), or every item scored (`exact_scan`, the reference)."""
     exact = collection.scorer(query, image_side, lambda images, sentences: rank(
         images, sentences, smooth, score))
-    if exact_scan or len(collection.items) <= collection.exact_up_to:
+    if exact_scan:
         return full_scan(exact, collection.items, k)
     m = len(query.embeddings)  # eq. 6's factor of the query: 1 / (m + smooth) or 1 / m
     weight, reach = collection.reach(1 / (m + smooth) if image_side else 1 / max(m, 1))
@@ -424,7 +413,7 @@ class SearchIndex:
         self.images = Collection(folder, "images", meta["images"], objective.score,
                                  lambda n: 1 / n)
         self.sentence_set = (Collection(folder, "sentences", meta["sentences"], objective.score,
-                                        lambda n: 1 / (n + objective.smooth), EXACT_SENTENCES)
+                                        lambda n: 1 / (n + objective.smooth))
                              if meta["sentences"] else None)
         self.position = {name: k for k, name in enumerate(meta["images"])}
         self._parse = threading.Lock()  # the parser is not known to be thread-safe
