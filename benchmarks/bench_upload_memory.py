@@ -127,7 +127,7 @@ def main() -> None:
     slots = args.clients if args.code else min(args.clients, args.upload_slots)
     decoded = {"hostile": 0, "largest": slots * BYTES_PER_PIXEL * largest**2}
     options = [] if args.code else ["--max-image-pixels", str(args.max_image_pixels),
-                                    "--upload-slots", str(args.upload_slots)]
+                                    "--upload-slots", str(args.upload_slots), "--workers", "1"]
     port = free_port()
     server = start_server(index, port, *options, code=args.code)
     try:

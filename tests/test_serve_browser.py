@@ -107,6 +107,8 @@ def test_a_caption_puts_its_image_first(page: WebDriver, world: SearchWorld) -> 
     wait(page, lambda d: all(loaded(d, img) for img in d.find_elements(By.CSS_SELECTOR,
                                                                       "#grid img")))
     assert world.query in page.find_element(By.ID, "images-title").text
+    assert page.find_element(By.ID, "images-proof").text.startswith(
+        f"Exact top {len(world.captions)}: proven")
     if os.environ.get("DEFRAG_SCREENSHOT"):
         page.save_screenshot(os.environ["DEFRAG_SCREENSHOT"])
 
@@ -118,6 +120,7 @@ def test_an_uploaded_photo_lists_sentences(page: WebDriver, world: SearchWorld) 
     sentences = {text for texts in world.captions.values() for text in texts}
     assert all(item.find_element(By.CLASS_NAME, "text").text in sentences for item in items)
     assert world.expected in page.find_element(By.ID, "sentences-title").text
+    assert page.find_element(By.ID, "sentences-proof").text.startswith("Exact top 12: proven")
     assert loaded(page, page.find_element(By.ID, "sentences-image"))
 
 

@@ -264,7 +264,8 @@ class Collection:
         self.list_radius = np.array(arrays["list_radius"]).astype(np.float64)
         self.largest_key, self.code_error, self.largest_residual = (
             float(x) for x in arrays["key_stats"])
-        self.first = faiss.read_index(str(folder / f"{stem}.faiss"))
+        self.first = faiss.read_index(str(folder / f"{stem}.faiss"),  # pages shared by
+                                      faiss.IO_FLAG_MMAP_IFC)  # every server worker
         self.lists = self.first.nlist if isinstance(self.first, faiss.IndexIVF) else 0
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
         self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
