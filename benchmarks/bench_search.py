@@ -266,8 +266,9 @@ def scale(args: argparse.Namespace) -> None:
     process = psutil.Process()
     print(f"model {real.meta['model_dir']} (d {real.embedder.cfg.model.embed_dim}, score "
           f"{real.embedder.cfg.objective.score}); {len(texts)} query sentences of {args.index}; "
-          f"{args.fragments} fragments per image (the index's rows plus noise), stored fp16; "
-          f"M {real.images.key_candidates}, K {real.candidates}")
+          f"{args.fragments} fragments per image (the index's rows plus noise at {args.noise} "
+          f"of their spread), stored fp16; {real.images.key_candidates} first-stage keys per "
+          f"query row at first, budget {BUDGET_S} s")
     results = []
     for size in args.sizes:
         folder = args.work / f"images-{size}"
