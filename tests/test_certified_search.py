@@ -7,6 +7,7 @@ first stage that ignores the query fails the same check."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,28 @@ def test_an_ivf_with_empty_lists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     found = index.search(opened, query, TOP, True, SMOOTH, "eq6", budget_s=None)
     truth = index.search(opened, query, TOP, True, SMOOTH, "eq6", exact_scan=True)
     assert found.exact and [h.position for h in found.hits] == [h.position for h in truth.hits]
+
+
+def test_ivf_searches_at_once_and_every_list(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight threads search one IVF at once (as the web app's thread pool does; each search
+    sets the index's nprobe), each answer the exact scan's; asked for every list, the first
+    stage searches every one (the lists come from the stored centres, not the HNSW quantizer,
+    which may miss some) and returns every key."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    opened = collection(tmp_path, "eq6", True)
+    queries = fragments(25, 4, seed=2, side=-1.0)
+    asked = [queries.select([q]) for q in range(25) if queries.counts[q]] * 3
+
+    def same_as_the_scan(query: FragmentSet) -> bool:
+        found = index.search(opened, query, TOP, True, SMOOTH, "eq6", budget_s=None)
+        truth = index.search(opened, query, TOP, True, SMOOTH, "eq6", exact_scan=True)
+        return found.exact and found.hits == truth.hits
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(same_as_the_scan, asked))
+    total = opened.first.ntotal
+    everything = opened.first_stage(asked[0])(total, opened.lists)
+    assert everything.complete
+    found = opened.first_stage(asked[0])(total - 1, opened.lists)
+    assert len(found.items) == (total - 1) * len(asked[0].embeddings)

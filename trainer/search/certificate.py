@@ -42,7 +42,7 @@ class Ranking:
     exact: bool  # a certificate held: these are the exact scan's top k, in its order
     gap: float  # 0.0 when exact; else the highest bound left minus the k-th score
     scored: int  # items the model scored exactly
-    keys: int  # first-stage keys each query row found at the end (0: every item scored)
+    keys: int  # first-stage keys each query row found at the end (0: the exact scan)
 
     def proof(self) -> dict[str, bool | float | int]:
         """What a report says of the top k: proven exact or not, the gap left, items scored."""

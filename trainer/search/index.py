@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,8 @@ IVF_PROBE = 32  # lists an IVF first stage searches
 KEY_CANDIDATES = 1000  # keys each query row finds first (eq. 6; benchmarks/bench_search.py)
 CANDIDATES = 50  # items the first stage finds first for the cosine and inner scores
 BUDGET_S = 0.5  # a search widens its first stage only while it would end within this
-ROUNDING = 2**-15  # float32 rounding allowed in the first stage, relative to |q| max |k|
+UNIT = 2**-24  # float32's unit roundoff: a first-stage product of r + 1 columns (each side
+# rotated, then multiplied) is within 3 (r + 3) UNIT |q| max |k| of the exact k . q
 BLOCK = 1 << 16  # keys projected at a time
 MAX_QUERY_CHARS = 1000
 
@@ -127,7 +129,10 @@ def project(x: torch.Tensor, center: torch.Tensor, basis: torch.Tensor,
 def left_out(x: torch.Tensor, basis: torch.Tensor, center: torch.Tensor | None = None
              ) -> torch.Tensor:
     """The length of each row's part outside the basis' span (of x - center for keys): by
-    Cauchy-Schwarz, k . q exceeds the projected inner product by at most |k_out| |q_out|."""
+    Cauchy-Schwarz, k . q exceeds the projected inner product by at most |k_out| |q_out|.
+    Zero for a basis of all d directions (a rotation: its rounding is within `_bounded`'s)."""
+    if basis.shape[0] == basis.shape[1]:
+        return torch.zeros(len(x))
     x = x.float() - (center if center is not None else 0)
     return torch.linalg.vector_norm(x - (x @ basis) @ basis.T, dim=1)
 
@@ -270,6 +275,7 @@ class Collection:
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
         self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
         self._keys: torch.Tensor | None = None  # a flat first stage's keys (`_flat_keys`)
+        self._searching = threading.Lock()  # an IVF's nprobe, set per search
         if len(self.start) != len(items) + 1 or self.first.ntotal != len(self.key_item):
             raise RetrievalError(f"index {folder}: {stem} files do not match index.json "
                                  f"({len(items)} items): rebuild it with defrag index")
@@ -295,9 +301,15 @@ class Collection:
         outside = left_out(q, self.basis).numpy().astype(np.float64)
         total = self.first.ntotal
         if self.lists:
-            return lambda keys, probe: self._bounded(
-                *self._ivf_search(probes, lengths, min(keys, total), min(probe, self.lists)),
-                lengths, outside, min(keys, total))
+            def search_lists(keys: int, probe: int) -> Retrieved:
+                if keys >= total and probe >= self.lists:  # everything: score every item
+                    return Retrieved(*(np.zeros(0, dtype) for dtype in (
+                        np.int64, np.int64, np.float64)), np.full(len(probes), -np.inf),
+                        total, True)
+                return self._bounded(*self._ivf_search(probes, lengths, min(keys, total),
+                                                       min(probe, self.lists)),
+                                     lengths, outside, min(keys, total))
+            return search_lists
         products = torch.from_numpy(probes) @ self._flat_keys().T  # [m, N]: every product once
 
         def search(keys: int, probe: int) -> Retrieved:
@@ -316,15 +328,18 @@ class Collection:
 
     def _ivf_search(self, probes: np.ndarray, lengths: np.ndarray, found: int,
                     probe: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-        """An IVF first stage's search of the `probe` best lists, and the bound on the keys of
-        the lists it did not search: q . centre + |q| radius (the radius is the farthest key)."""
-        self.first.nprobe = probe
-        near, lists = self.first.quantizer.search(probes, probe)
-        scores, ids = self.first.search_preassigned(probes, found, lists, near)
-        unsearched = probes @ self.list_center.T + lengths[:, None] * self.list_radius
+        """An IVF first stage's search of the `probe` lists whose centres score highest (found
+        exactly from the stored centres: the HNSW quantizer may miss some), and the bound on
+        the keys of the lists it did not search: q . centre + |q| radius (the farthest key)."""
+        centres = probes @ self.list_center.T  # [m, lists]
+        lists = np.argpartition(-centres, probe - 1, axis=1)[:, :probe]
+        near = np.take_along_axis(centres, lists, axis=1)
+        with self._searching:  # nprobe is the index's: one search at a time sets it
+            self.first.nprobe = probe
+            scores, ids = self.first.search_preassigned(probes, found, lists, near)
+        unsearched = centres + lengths[:, None] * self.list_radius
         np.put_along_axis(unsearched, lists, -np.inf, axis=1)
-        complete = found >= self.first.ntotal and probe >= self.lists
-        return scores, ids, unsearched.max(axis=1, initial=-np.inf), complete
+        return scores, ids, unsearched.max(axis=1, initial=-np.inf), False
 
     def _bounded(self, scores: np.ndarray, ids: np.ndarray, beyond: np.ndarray,
                  complete: bool, lengths: np.ndarray, outside: np.ndarray,
@@ -333,7 +348,7 @@ class Collection:
         the codes and the projection leave out and the rounding; an unreturned pair's, the
         last returned product (rows that returned all they asked for) or `beyond`, plus the
         same with the largest part any key leaves out."""
-        slack = ROUNDING * lengths * self.largest_key  # float32 rounding of the products
+        slack = 3 * (self.first.d + 2) * UNIT * lengths * self.largest_key  # rounding
         full = ids[:, -1] >= 0
         last = np.where(full & (found < self.first.ntotal), scores[:, -1], -np.inf)
         unseen = (np.maximum(last + self.code_error * lengths, beyond)
@@ -380,14 +395,16 @@ def search(collection: Collection, query: FragmentSet, k: int, image_side: bool,
         images, sentences, smooth, score))
     if exact_scan:
         return full_scan(exact, collection.items, k)
+    started = time.monotonic()  # the budget counts the first stage's products too
     m = len(query.embeddings)  # eq. 6's factor of the query: 1 / (m + smooth) or 1 / m
     weight, reach = collection.reach(1 / (m + smooth) if image_side else 1 / max(m, 1))
     eq6 = score == "eq6"
+    first = collection.first_stage(query)
     return certified_top_k(
-        collection.first_stage(query), exact, collection.items,
-        k, eq6=eq6, counts=collection.counts, weight=weight, reach=reach,
-        keys=collection.key_candidates if eq6 else max(k, CANDIDATES), probe=collection.probe,
-        budget_s=budget_s)
+        first, exact, collection.items, k, eq6=eq6, counts=collection.counts, weight=weight,
+        reach=reach, keys=collection.key_candidates if eq6 else max(k, CANDIDATES),
+        probe=collection.probe,
+        budget_s=None if budget_s is None else budget_s - (time.monotonic() - started))
 
 
 def load_one_model(model: ModelFolder, boxes: str | None, detector_weights: str | None,

@@ -12,7 +12,8 @@ a JPEG or PNG file, base64-encoded) and answers one row per input row:
   this model, one its operator named: trainer/search/served_indexes.py): `hits`, the k best images
   of the index for a sentence, or its k best sentences for an image, each {"item", "score",
   "position"}, best first; `exact`, whether they are proven to be the exact top k (the
-  certificate of docs/design.md, "Certified search"), and `gap`, the bound left when not.
+  certificate of docs/design.md, "Certified search"), `gap`, the bound left when not, and
+  `scored`, how many items the model scored.
 
 No error names the server's temporary files (an image row is row-N) or says what exists on disk.
 """
@@ -124,7 +125,8 @@ class DeFragPyfunc(PythonModel):
                                         "position": hit.position} for hit in found.hits]
                                       for found in rankings],
                              "exact": [found.exact for found in rankings],
-                             "gap": [found.gap for found in rankings]})
+                             "gap": [found.gap for found in rankings],
+                             "scored": [found.scored for found in rankings]})
 
 
 @contextmanager

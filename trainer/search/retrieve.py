@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--images", type=Path, help="folder of JPEG / PNG images to search")
     parser.add_argument("--sentences", type=Path, help="text file, one sentence per line")
     parser.add_argument("--index", type=Path,
-                        help="a search index of the model (defrag index): search its "
-                             "images and sentences in two stages instead of --images/--sentences")
+                        help="a search index of the model (defrag index): the certified top k "
+                             "of its images and sentences, instead of --images/--sentences")
     parser.add_argument("--query", action="append", default=[], metavar="SENTENCE",
                         help="rank the --images for this sentence (repeatable)")
     parser.add_argument("--query-image", action="append", default=[], type=Path,
