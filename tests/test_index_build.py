@@ -161,6 +161,20 @@ def test_a_task_never_removes_the_parts_of_another_build(collection: Collection,
     assert index(*folder, capsys=capsys)["images"] == 12  # one process: the whole build
 
 
+def test_a_task_with_other_settings_is_refused(collection: Collection, tmp_path: Path,
+                                               capsys) -> None:
+    """Tasks of one build must agree on everything the merge reads from build.json: a task
+    given another --tasks count is refused instead of rewriting the record."""
+    out = tmp_path / "index"
+    folder = ["--model", collection.model, "--images", collection.images, "--workers", "1",
+              "--out", out]
+    index(*folder, "--task", 0, "--tasks", 2, capsys=capsys)
+    recorded = (out / "parts" / "build.json").read_text()
+    with pytest.raises(SystemExit, match="build.json records other settings of this build"):
+        index_builder.main([str(arg) for arg in folder] + ["--task", "1", "--tasks", "3"])
+    assert (out / "parts" / "build.json").read_text() == recorded
+
+
 @pytest.mark.parametrize("environ,expected", [
     ({}, Task(0, 1)),
     ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_COUNT": "4"},

@@ -317,7 +317,12 @@ def _parts_folder(out: Path, record: dict[str, Any], replace_other: bool) -> Pat
     if _build_key(parts) != record["key"]:
         raise RetrievalError(f"{parts} holds the parts of another build (model, boxes, parser "
                              "or source): remove it, or build into another --out")
-    write_atomically(parts / "build.json", json.dumps(record))
+    if replace_other:  # one process: its settings (e.g. a new --sentences) are the build's
+        write_atomically(parts / "build.json", json.dumps(record))
+    elif json.loads((parts / "build.json").read_text()) != json.loads(json.dumps(record)):
+        raise RetrievalError(f"{parts}/build.json records other settings of this build than "
+                             "this task's (--sentences, --tasks, --detector-weights, or files "
+                             "changed since): give every task the same flags and files")
     return parts
 
 
