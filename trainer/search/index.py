@@ -306,17 +306,30 @@ class Collection:
                     return Retrieved(*(np.zeros(0, dtype) for dtype in (
                         np.int64, np.int64, np.float64)), np.full(len(probes), -np.inf),
                         total, True)
-                return self._bounded(*self._ivf_search(probes, lengths, min(keys, total),
-                                                       min(probe, self.lists)),
-                                     lengths, outside, min(keys, total))
+                scores, ids, beyond = self._ivf_search(probes, lengths, min(keys, total),
+                                                       min(probe, self.lists))
+                full = (ids[:, -1] >= 0) & (keys < total)  # rows with keys left unreturned
+                return self._bounded(scores, ids, np.where(full, scores[:, -1], -np.inf),
+                                     beyond, False, lengths, outside, min(keys, total))
             return search_lists
         products = torch.from_numpy(probes) @ self._flat_keys().T  # [m, N]: every product once
 
         def search(keys: int, probe: int) -> Retrieved:
-            scores, ids = torch.topk(products, min(keys, total), dim=1)
-            return self._bounded(scores.numpy(), ids.numpy(), np.full(len(probes), -np.inf),
-                                 keys >= total, lengths, outside, min(keys, total))
+            best = torch.topk(products, min(keys, total), dim=1)
+            last = best.values[:, -1].numpy() if keys < total else np.full(len(probes), -np.inf)
+            every = self._keys_of(np.unique(self.key_item[best.indices.numpy()]))
+            return self._bounded(products[:, every].numpy(), np.broadcast_to(
+                every, (len(probes), len(every))), last, np.full(len(probes), -np.inf),
+                keys >= total, lengths, outside, min(keys, total))
         return search
+
+    def _keys_of(self, items: np.ndarray) -> np.ndarray:
+        """Every key of `items` (sorted; an item's keys are consecutive): a flat first stage
+        returns all of a found item's products, so its bound is its score's."""
+        first = np.searchsorted(self.key_item, items)
+        counts = np.searchsorted(self.key_item, items, side="right") - first
+        return (np.repeat(first - np.cumsum(counts) + counts, counts)
+                + np.arange(int(counts.sum())))
 
     def _flat_keys(self) -> torch.Tensor:
         """The keys a flat first stage holds [N, r + 1], without a copy."""
@@ -327,7 +340,7 @@ class Collection:
         return self._keys
 
     def _ivf_search(self, probes: np.ndarray, lengths: np.ndarray, found: int,
-                    probe: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+                    probe: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An IVF first stage's search of the `probe` lists whose centres score highest (found
         exactly from the stored centres: the HNSW quantizer may miss some), and the bound on
         the keys of the lists it did not search: q . centre + |q| radius (the farthest key)."""
@@ -339,18 +352,16 @@ class Collection:
             scores, ids = self.first.search_preassigned(probes, found, lists, near)
         unsearched = centres + lengths[:, None] * self.list_radius
         np.put_along_axis(unsearched, lists, -np.inf, axis=1)
-        return scores, ids, unsearched.max(axis=1, initial=-np.inf), False
+        return scores, ids, unsearched.max(axis=1, initial=-np.inf)
 
-    def _bounded(self, scores: np.ndarray, ids: np.ndarray, beyond: np.ndarray,
-                 complete: bool, lengths: np.ndarray, outside: np.ndarray,
+    def _bounded(self, scores: np.ndarray, ids: np.ndarray, last: np.ndarray,
+                 beyond: np.ndarray, complete: bool, lengths: np.ndarray, outside: np.ndarray,
                  found: int) -> Retrieved:
         """A first-stage answer with its bounds: a returned pair's projected product plus what
         the codes and the projection leave out and the rounding; an unreturned pair's, the
-        last returned product (rows that returned all they asked for) or `beyond`, plus the
-        same with the largest part any key leaves out."""
+        `last` product of its row's best (-inf: none left) or `beyond`, plus the same with the
+        largest part any key leaves out."""
         slack = 3 * (self.first.d + 2) * UNIT * lengths * self.largest_key  # rounding
-        full = ids[:, -1] >= 0
-        last = np.where(full & (found < self.first.ntotal), scores[:, -1], -np.inf)
         unseen = (np.maximum(last + self.code_error * lengths, beyond)
                   + self.largest_residual * outside + slack)
         row, column = np.nonzero(ids >= 0)
