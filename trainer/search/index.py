@@ -101,13 +101,6 @@ def quantize(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (block / scale[:, None]).half(), scale
 
 
-def as_stored(block: torch.Tensor) -> torch.Tensor:
-    """Rows as search reads them back (float32 of the stored fp16 rows): what the model's
-    score and the first stage's keys are computed from, so the certificate's bounds hold."""
-    rows, scale = quantize(block)
-    return rows.float() * scale[:, None]
-
-
 def fit_projection(keys: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean key and its `dims` principal directions [d, dims] (of a sample)."""
     sample = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))[
@@ -195,16 +188,17 @@ def first_stage_bounds(first: faiss.Index, keys: torch.Tensor, center: torch.Ten
 
 
 class StoredRows:
-    """The rows of a FragmentSet as stored (`as_stored`), a block at a time, for the keys."""
+    """The stored rows (fp16 times their scale) in float32, a block at a time: what search
+    reads back and scores, so the first stage's keys are built from them and its bounds hold."""
 
-    def __init__(self, rows: Any) -> None:
-        self.rows = rows
+    def __init__(self, rows: torch.Tensor, scale: torch.Tensor) -> None:
+        self.rows, self.scale = rows, scale
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
-        return as_stored(self.rows[index])
+        return self.rows[index].float() * self.scale[index][:, None]
 
 
 def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
@@ -216,7 +210,7 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
     for first in range(0, len(rows), BLOCK):  # bounded float32 copies
         rows[first:first + BLOCK], scale[first:first + BLOCK] = quantize(
             fragments.embeddings[first:first + BLOCK])
-    stored = StoredRows(fragments.embeddings)
+    stored = StoredRows(rows, scale)
     if score == "eq6":
         keys, key_item = stored, fragments.owner
     else:
@@ -230,6 +224,11 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
                "center": center, "basis": basis,
                **first_stage_bounds(first, keys, center, basis)}, folder / f"{stem}.safetensors")
     faiss.write_index(first, str(folder / f"{stem}.faiss"))
+
+
+def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """first[0], ..., first[0] + counts[0] - 1, first[1], ...: the rows (or keys) of items."""
+    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
 
 
 def memory_map(path: Path) -> dict[str, np.ndarray]:
@@ -327,9 +326,7 @@ class Collection:
         """Every key of `items` (sorted; an item's keys are consecutive): a flat first stage
         returns all of a found item's products, so its bound is its score's."""
         first = np.searchsorted(self.key_item, items)
-        counts = np.searchsorted(self.key_item, items, side="right") - first
-        return (np.repeat(first - np.cumsum(counts) + counts, counts)
-                + np.arange(int(counts.sum())))
+        return consecutive(first, np.searchsorted(self.key_item, items, side="right") - first)
 
     def _flat_keys(self) -> torch.Tensor:
         """The keys a flat first stage holds [N, r + 1], without a copy."""
@@ -388,12 +385,13 @@ class Collection:
 
     def select(self, positions: Sequence[int]) -> FragmentSet:
         """The items at `positions` with their rows in float32, read from the memory map."""
-        rows = (np.concatenate([np.arange(self.start[p], self.start[p + 1]) for p in positions])
-                if len(positions) else np.zeros(0, np.int64))
-        return FragmentSet([self.items[p] for p in positions],
+        positions = np.asarray(positions, np.int64)
+        counts = self.counts[positions]
+        rows = consecutive(self.start[positions], counts)
+        return FragmentSet([self.items[p] for p in positions.tolist()],
                            torch.from_numpy(self.rows[rows].astype(np.float32)
                                             * self.scale[rows][:, None]),
-                           owners([int(self.counts[p]) for p in positions]),
+                           owners(counts.tolist()),
                            torch.from_numpy(np.array(self.detail[rows])))
 
 
