@@ -10,10 +10,10 @@ Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the A
 nothing is fetched from the internet (FastAPI's /docs and /redoc, which load Swagger from a CDN, are
 off).
 
---workers N worker processes (uvicorn's, default: the CPUs this process may run on) serve the
-one listening socket, each with the index opened by itself (its rows memory-mapped read-only, so
-the workers share their pages), its own model and parser, and CPUs / N torch and faiss threads
-(--threads). The parent opens the index once first, so that a bad one stops the command in one
+--workers N worker processes (uvicorn's, default: the CPUs this process may run on, at most
+8) serve the one listening socket, each with the index opened by itself (its rows and faiss
+files memory-mapped read-only, so the workers share their pages), its own model and parser, and
+CPUs / N torch and faiss threads (--threads). The parent opens the index once first, so that a bad one stops the command in one
 line.
 
 Within a worker, endpoints that run the model are plain `def`: FastAPI runs them in its thread
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 MIB = 2**20
 MAX_K = 100  # results one request may ask for
+MAX_DEFAULT_WORKERS = 8  # a large node's CPUs go to threads beyond this, not to more copies
 UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x this x one upload
 SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
 LOG_FORMAT = "%(levelname)s %(message)s"
@@ -346,9 +347,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=cpus,
+    parser.add_argument("--workers", type=int, default=min(cpus, MAX_DEFAULT_WORKERS),
                         help=f"worker processes, each with the index open and its own model and "
-                             f"parser (default: the CPUs this process may run on, {cpus} here)")
+                             f"parser, ~0.5 GiB each plus the model (default: the CPUs this "
+                             f"process may run on, at most {MAX_DEFAULT_WORKERS}: "
+                             f"{min(cpus, MAX_DEFAULT_WORKERS)} here)")
     parser.add_argument("--threads", type=int,
                         help="torch and faiss threads of each worker (default: CPUs / workers, "
                              "at least 1)")
