@@ -13,8 +13,8 @@ off).
 --workers N worker processes (uvicorn's, default: the CPUs this process may run on, at most
 8) serve the one listening socket, each with the index opened by itself (its rows and faiss
 files memory-mapped read-only, so the workers share their pages), its own model and parser, and
-CPUs / N torch and faiss threads (--threads). The parent opens the index once first, so that a bad one stops the command in one
-line.
+CPUs / N torch and faiss threads (--threads). The parent opens the index once first, so that a
+bad one stops the command in one line.
 
 Within a worker, endpoints that run the model are plain `def`: FastAPI runs them in its thread
 pool, several at once. SearchIndex serialises its parser itself; the model only runs forward
