@@ -15,7 +15,9 @@ READABLE_FORMATS = (1, 2)  # FORMAT_VERSION among them (a test checks)
 TREE_FORMAT = 2  # the first format whose captions have a "tree"
 MANIFEST = "manifest.json"  # beside the split folders
 VOCAB = "vocab.json"
-SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+\.tar)")  # "<split>/shard-NNNNNN.tar" in a URL
+# "<split>/shard-NNNNNN.tar" in a URL; "shard-NNNNNN-JJJJ.tar" is piece J of input shard N of the
+# webdataset source (featurizer/ingest.py)
+SHARD_NAME = re.compile(r"([^/\s:]+/shard-\d+(?:-\d+)?\.tar)")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|pipe:")
 
 

@@ -113,8 +113,12 @@ class Vocabulary:
         return tree_rows
 
     def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    def to_json(self) -> str:
+        """The vocab.json text (read by `from_json`)."""
         data = {"format": VOCAB_FORMAT, "words": self.words, "relations": self.relations}
-        Path(path).write_text(json.dumps(data, ensure_ascii=False))
+        return json.dumps(data, ensure_ascii=False)
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:

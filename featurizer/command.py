@@ -6,6 +6,9 @@
         --split-map restval=train
     defrag featurize jsonl --jsonl captions.jsonl --out data/mine --vocab data/f8k
     defrag featurize synthetic --out data/synthetic   # generated scenes, spaCy, given boxes
+    defrag featurize webdataset --shards 'https://host/laion/{00000..00099}.tar' \
+        --out s3://bucket/laion-defrag --boxes fullframe     # img2dataset shards, any URL
+    defrag featurize merge --out s3://bucket/laion-defrag    # after every task of a job array
     defrag featurize wordvecs --shards data/f8k --out data/f8k/word2vec-200.txt
 
 See featurizer/__init__.py for the output format.
@@ -22,6 +25,9 @@ from pathlib import Path
 
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.images import add_pixel_limit_flag
+from defrag.tasks import add_task_flags, task_from
+from defrag.urls import redact
+from featurizer.ingest import featurize_shards, merge
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import (
     FLICKR8K_IMAGES,
@@ -55,7 +61,9 @@ def _option_value(text: str) -> object:
 
 def _common_flags() -> argparse.ArgumentParser:
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--out", type=Path, required=True, help="output folder (shards, manifest)")
+    flags.add_argument("--out", required=True,
+                       help="output folder (shards, manifest); the webdataset source also "
+                            "writes to s3://BUCKET/PREFIX or pipe:COMMAND {shard}")
     flags.add_argument("--parser", choices=("stanza", "spacy"), default="stanza",
                        help="dependency parser (default: stanza; spacy works offline)")
     flags.add_argument("--parse-batch-size", type=int, default=256,
@@ -67,7 +75,9 @@ def _common_flags() -> argparse.ArgumentParser:
     flags.add_argument("--detector-weights", help="state-dict file of the detector box source")
     flags.add_argument("--box-option", type=_pair, action="append", default=[],
                        metavar="KEY=VALUE", help="any other box-source option, e.g. mode=quality")
-    flags.add_argument("--shard-size", type=int, default=1000, help="images per shard")
+    flags.add_argument("--shard-size", type=int, default=1000,
+                       help="images per shard (default 1000; webdataset: one output shard per "
+                            "input shard and split unless given)")
     flags.add_argument("--workers", type=int, default=2, help="worker processes")
     flags.add_argument("--splits", nargs="+", help="splits to featurize (default: all found)")
     flags.add_argument("--limit", type=int, help="only the first N images (by id) of each split")
@@ -117,6 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
     jsonl.add_argument("--default-split", default="train",
                        help='split of lines without "split" (default: train)')
 
+    webdataset = commands.add_parser(
+        "webdataset", parents=[common],
+        help="img2dataset shards (jpg/png/webp + txt/json) from any URL; one task of a job "
+             "array under SLURM_ARRAY_TASK_ID/COUNT, RANK/WORLD_SIZE or --task/--tasks")
+    webdataset.add_argument("--shards", required=True,
+                            help="input shards: a path, brace range, http(s):// URL or pipe: "
+                                 "command, as WebDataset takes them")
+    webdataset.add_argument("--default-split", default="train",
+                            help='split of samples whose json has no "split" (default: train)')
+    webdataset.add_argument("--out-read", metavar="pipe:COMMAND",
+                            help="with a pipe: --out, the command that reads a file back "
+                                 "({shard} = its name); default: `cp - DEST` turned around")
+    add_task_flags(webdataset)
+    webdataset.set_defaults(shard_size=None)
+
+    merge = commands.add_parser(
+        "merge", help="after every task of `webdataset`: write the vocabulary and manifest")
+    merge.add_argument("--out", required=True, help="the tasks' --out")
+    merge.add_argument("--out-read", metavar="pipe:COMMAND", help="as for `webdataset`")
+
     for command in (karpathy, jsonl):
         command.add_argument("--split-map", type=_pair, action="append", default=[],
                              metavar="OLD=NEW", help="rename a split, e.g. restval=train")
@@ -160,7 +190,7 @@ def read_source(args: argparse.Namespace) -> Source:
         source = read_jsonl(args.jsonl, args.images or args.jsonl.parent, args.default_split,
                             args.allow_outside_images)
     else:
-        jsonl_file = generate(args.out / "source", args.num_train, args.num_val, args.seed,
+        jsonl_file = generate(Path(args.out) / "source", args.num_train, args.num_val, args.seed,
                               args.image_size)
         return read_jsonl(jsonl_file, jsonl_file.parent, "train")
     return rename_splits(source, dict(args.split_map))
@@ -173,7 +203,8 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> Settings:
     if args.detector_weights is not None:
         options["weights"] = args.detector_weights
     return Settings(
-        out=args.out, parser=args.parser, parse_batch_size=args.parse_batch_size,
+        out=args.out if args.source == "webdataset" else Path(args.out), parser=args.parser,
+        parse_batch_size=args.parse_batch_size,
         boxes=args.boxes, box_options=options, shard_size=args.shard_size,
         workers=args.workers, splits=args.splits, limit=args.limit, train_split=args.train_split,
         min_word_count=args.min_word_count, relation_min_fraction=args.relation_min_fraction,
@@ -198,12 +229,33 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                                    seed=args.seed)
         print(f"{count} word vectors of size {args.dim} written to {args.out}")
         return
-    manifest = featurize(read_source(args), settings_from(args, argv))
+    if args.source == "merge":
+        _summarize(merge(args.out, args.out_read), args.out)
+        return
+    if args.source == "webdataset":
+        if args.limit is not None or args.splits:
+            raise ValueError("--limit and --splits do not apply to the webdataset source: it "
+                             "writes every sample of its input shards (choose them with --shards)")
+        done = featurize_shards(args.shards, args.out_read, args.default_split,
+                                settings_from(args, argv), task_from(args.task, args.tasks))
+        manifest = done.pop("manifest", None)
+        print(f"task {done['task']} of {done['tasks']}: {done['mine']} of {done['units']} input "
+              f"shards, {done['finished_before']} finished before, {done['written']} written "
+              f"({done['samples']} images, {done['skipped']} inputs skipped)")
+        if manifest is None:
+            print(f"after every task: defrag featurize merge --out {redact(args.out)}")
+        else:
+            _summarize(manifest, args.out)
+        return
+    _summarize(featurize(read_source(args), settings_from(args, argv)), args.out)
+
+
+def _summarize(manifest: dict, out: str) -> None:
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['images']} images, {counts['captions']} captions, "
               f"{counts['triplets']} triplets, {len(counts['shards'])} shards, "
               f"skipped {counts['skipped'] or 'nothing'}")
     vocab = manifest["vocabulary"]
     print(f"vocabulary: {vocab['words']} words, relations {vocab['relations']}; "
-          f"{manifest['skipped']['count']} inputs skipped; manifest in {args.out}")
+          f"{manifest['skipped']['count']} inputs skipped; manifest in {redact(out)}")
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from defrag.files import replaced_atomically, write_atomically
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION, MANIFEST, VOCAB, unsafe_path
 from defrag.urls import redact
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
+from featurizer.destinations import Destination, Folder, write_text
 from featurizer.parsing import Parser, make_parser
 from featurizer.records import ImageRecord, Problem
 from featurizer.shards import ShardSpec, clear_leftovers, finished, plan_shards, write_shard
@@ -43,12 +43,12 @@ PROBLEMS_LOGGED = 20  # skipped inputs printed one by one; all of them go to the
 class Settings:
     """Everything a run depends on besides its source (the CLI flags, one to one)."""
 
-    out: Path
+    out: Path | str  # a folder; the webdataset source also writes to s3:// and pipe: (destinations)
     parser: str = "stanza"
     parse_batch_size: int = 256
     boxes: str = "selective_search"
     box_options: dict[str, Any] = field(default_factory=dict)
-    shard_size: int = 1000
+    shard_size: int | None = 1000  # None (webdataset only): one shard per input shard
     workers: int = 2
     splits: list[str] | None = None
     limit: int | None = None
@@ -66,7 +66,7 @@ def featurize(source: Source, settings: Settings) -> dict:
     manifest."""
     parser = make_parser(settings.parser, settings.parse_batch_size)
     parser.check()
-    reused = _reused_vocabulary(settings)
+    reused = checked_vocabulary(settings)
     box_source = make_box_source(settings.boxes, **settings.box_options)
     by_split = _select_splits(source.records, settings)
     if reused is None and settings.train_split not in by_split:
@@ -75,31 +75,38 @@ def featurize(source: Source, settings: Settings) -> dict:
                          f"with --vocab")
     left_out = {r.split for r in source.records} - set(by_split)
     problems = [p for p in source.problems if p.split not in left_out]
-    _log_problems(problems, "while reading the source")
+    log_problems(problems, "while reading the source")
 
     specs = _plan(by_split, settings, {"parser": parser.describe(),
                                        "boxes": box_source.describe()})
     sidecars = _complete(specs, settings, parser, box_source)
     shard_problems = [Problem.from_json(p) for sidecar in sidecars for p in sidecar["skipped"]]
-    _log_problems(shard_problems, "while writing shards")
+    log_problems(shard_problems, "while writing shards")
 
     by_split_sidecars = {split: [sidecar for spec, sidecar in zip(specs, sidecars, strict=True)
                                  if spec.split == split] for split in by_split}
-    train_counts = _counts(by_split_sidecars.get(settings.train_split, []))
+    return finish(settings, Folder(Path(settings.out)), parser.describe(),
+                  box_source.describe(), reused, by_split_sidecars, problems + shard_problems)
+
+
+def finish(settings: Settings, where: Destination, parser: dict, box_source: dict,
+           reused: Vocabulary | None, by_split: dict[str, list[dict]],
+           problems: list[Problem]) -> dict:
+    """Build the vocabulary from the training split's shard counts (or take `reused`), put
+    vocab.json and then manifest.json, the last file of a set; returns the manifest."""
+    train_counts = summed_counts(by_split.get(settings.train_split, []))
     vocab = reused if reused is not None else build_vocabulary(
         train_counts["relation_counts"], train_counts["word_counts"],
         min_fraction=settings.relation_min_fraction, min_count=settings.min_word_count,
         word_vectors=settings.word_vectors)
-    settings.out.mkdir(parents=True, exist_ok=True)
-    with replaced_atomically(settings.out / VOCAB) as vocab_tmp:
-        vocab.save(vocab_tmp)
-    manifest = _manifest(settings, parser, box_source, vocab, reused is not None,
-                         by_split_sidecars, train_counts, problems + shard_problems)
-    write_atomically(settings.out / MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
+    write_text(where, VOCAB, vocab.to_json())
+    manifest = build_manifest(settings, parser, box_source, vocab, reused is not None, by_split,
+                              train_counts, problems)
+    write_text(where, MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
     return manifest
 
 
-def _reused_vocabulary(settings: Settings) -> Vocabulary | None:
+def checked_vocabulary(settings: Settings) -> Vocabulary | None:
     """The vocabulary named by --vocab, checked up front (as is a word-vector file)."""
     if settings.vocab is not None and settings.word_vectors is not None:
         raise ValueError("--vocab reuses a whole vocabulary; it cannot be combined with "
@@ -134,7 +141,7 @@ def _plan(by_split: dict[str, list[ImageRecord]], settings: Settings,
     """The shards of every split; clears what interrupted or larger earlier runs left behind."""
     specs: list[ShardSpec] = []
     for split, records in by_split.items():
-        directory = settings.out / split
+        directory = Path(settings.out) / split
         planned = plan_shards(split, records, directory, settings.shard_size,
                               fingerprint_settings, settings.max_image_pixels)
         if directory.is_dir():
@@ -156,7 +163,7 @@ def _complete(specs: list[ShardSpec], settings: Settings, parser: Parser,
     return sidecars
 
 
-def _log_problems(problems: list[Problem], when: str) -> None:
+def log_problems(problems: list[Problem], when: str) -> None:
     for problem in problems[:PROBLEMS_LOGGED]:
         log.warning("skipped: %s", problem)
     if len(problems) > PROBLEMS_LOGGED:
@@ -166,25 +173,33 @@ def _log_problems(problems: list[Problem], when: str) -> None:
 
 def _write_shards(todo: list[ShardSpec], settings: Settings, parser: Parser,
                   box_source: Callable) -> list[dict]:
-    """Sidecars of the written shards, in `todo` order; one process per worker (>1)."""
+    """Sidecars of the written shards, in `todo` order."""
     with tqdm(total=sum(len(spec.records) for spec in todo), unit="img",
               desc="featurize") as bar:
-        if settings.workers <= 1 or len(todo) <= 1:
-            return [write_shard(spec, parser, box_source, bar.update) for spec in todo]
-        context = mp.get_context("spawn")  # fresh interpreters: no forked torch/OpenMP state
-        progress = context.Queue()
-        threads = max(1, (os.cpu_count() or 1) // settings.workers)
-        init = (settings.parser, settings.parse_batch_size, settings.boxes,
-                settings.box_options, threads, progress)
-        with context.Pool(settings.workers, initializer=_init_worker, initargs=init) as pool:
-            pending = [pool.apply_async(_write_in_worker, (spec,)) for spec in todo]
-            while not all(result.ready() for result in pending):
-                _drain(progress, bar, timeout=0.5)
-                for result in pending:
-                    if result.ready() and not result.successful():
-                        result.get()  # re-raises the worker's exception here
-            _drain(progress, bar, timeout=0)
-            return [result.get() for result in pending]
+        return in_workers(write_shard, todo, settings, parser, box_source, bar)
+
+
+def in_workers(work: Callable, items: list, settings: Settings, parser: Parser,
+               box_source: Callable, bar: tqdm) -> list:
+    """`work(item, parser, box_source, progress)` of every item, in item order: here with
+    `parser` and `box_source` for one worker (or one item), else in `settings.workers` processes,
+    each holding its own parser and box source; `progress(n)` moves `bar` on."""
+    if settings.workers <= 1 or len(items) <= 1:
+        return [work(item, parser, box_source, bar.update) for item in items]
+    context = mp.get_context("spawn")  # fresh interpreters: no forked torch/OpenMP state
+    progress = context.Queue()
+    threads = max(1, (os.cpu_count() or 1) // settings.workers)
+    init = (settings.parser, settings.parse_batch_size, settings.boxes, settings.box_options,
+            threads, progress)
+    with context.Pool(settings.workers, initializer=_init_worker, initargs=init) as pool:
+        pending = [pool.apply_async(_in_worker, (work, item)) for item in items]
+        while not all(result.ready() for result in pending):
+            _drain(progress, bar, timeout=0.5)
+            for result in pending:
+                if result.ready() and not result.successful():
+                    result.get()  # re-raises the worker's exception here
+        _drain(progress, bar, timeout=0)
+        return [result.get() for result in pending]
 
 
 def _drain(progress: Any, bar: tqdm, timeout: float) -> None:
@@ -212,12 +227,12 @@ def _init_worker(parser: str, batch_size: int, boxes: str, box_options: dict, th
                progress.put)
 
 
-def _write_in_worker(spec: ShardSpec) -> dict:
+def _in_worker(work: Callable, item: Any) -> Any:
     assert _worker is not None, "worker process not initialised"
-    return write_shard(spec, *_worker)
+    return work(item, *_worker)
 
 
-def _counts(sidecars: list[dict]) -> dict:
+def summed_counts(sidecars: list[dict]) -> dict:
     """Summed counts of a split's shards (relation and word counts as Counters)."""
     totals: dict[str, Any] = {key: 0 for key in ("samples", "captions", "triplets", "tokens")}
     totals["relation_counts"], totals["word_counts"] = Counter(), Counter()
@@ -230,12 +245,12 @@ def _counts(sidecars: list[dict]) -> dict:
     return totals
 
 
-def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabulary,
+def build_manifest(settings: Settings, parser: dict, box_source: dict, vocab: Vocabulary,
               reused: bool, sidecars: dict[str, list[dict]], train_counts: dict,
               problems: list[Problem]) -> dict:
     splits = {}
     for split, shards in sidecars.items():
-        counts = _counts(shards)
+        counts = summed_counts(shards)
         split_problems = Counter(p.reason for p in problems if p.split == split)
         splits[split] = {
             "images": counts["samples"], "captions": counts["captions"],
@@ -250,9 +265,9 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
     return {
         "format": FORMAT_VERSION,
         "created_by": redact({"command": settings.command,  # credentials in URLs masked
-                              "settings": _jsonable(vars(settings))}),
-        "parser": parser.describe(),
-        "box_source": box_source.describe(),
+                              "settings": jsonable(vars(settings))}),
+        "parser": parser,
+        "box_source": box_source,
         "vocabulary": {
             "file": VOCAB, "words": len(vocab.words), "relations": vocab.relations,
             "source": (f"reused from {redact(settings.vocab)}" if reused
@@ -269,5 +284,5 @@ def _manifest(settings: Settings, parser: Parser, box_source: Any, vocab: Vocabu
     }
 
 
-def _jsonable(values: dict) -> dict:
+def jsonable(values: dict) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in values.items() if k != "command"}

@@ -121,10 +121,10 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
     parsed = iter(parser.parse([c.text for record, _ in loaded for c in record.captions]))
     samples = []
     for record, image in loaded:
-        captions = _usable_captions(record, [(c, next(parsed)) for c in record.captions],
+        captions = usable_captions(record, [(c, next(parsed)) for c in record.captions],
                                     problems)
         if captions:
-            samples.append(_sample(record, image, captions, boxes))
+            samples.append(sample_of(record, image, captions, boxes))
         progress(1)
     spec.directory.mkdir(parents=True, exist_ok=True)
     spec.sidecar_path.unlink(missing_ok=True)
@@ -142,7 +142,7 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
     return sidecar
 
 
-def _usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCaption]],
+def usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCaption]],
                      problems: list[Problem]) -> list[dict]:
     """Captions with at least one word, as stored. Reports the others with those the source
     dropped, or, when none is left, the image alone (one `no_captions` naming them)."""
@@ -157,7 +157,7 @@ def _usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCapt
     return captions
 
 
-def _sample(record: ImageRecord, image: LoadedImage, captions: list[dict],
+def sample_of(record: ImageRecord, image: LoadedImage, captions: list[dict],
             boxes: Callable) -> tuple[str, str, bytes, dict]:
     """(key, image extension, image bytes, JSON metadata) of one image."""
     rows, scores = boxes(image.image, record.boxes)
@@ -169,14 +169,20 @@ def _sample(record: ImageRecord, image: LoadedImage, captions: list[dict],
 
 
 def _sidecar(spec: ShardSpec, tar: Path, metas: list[dict], problems: list[Problem]) -> dict:
+    return {"format": FORMAT_VERSION, "fingerprint": spec.fingerprint, "split": spec.split,
+            "file": spec.tar_path.name, **summary(tar, metas),
+            "skipped": [p.to_json() for p in problems]}
+
+
+def summary(tar: Path, metas: list[dict]) -> dict:
+    """What the manifest and vocabulary need of a written shard: its size and sha256, and the
+    counts of its samples' (`metas`) captions, triplets, words and relations."""
     captions = [c for meta in metas for c in meta["captions"]]
     return {
-        "format": FORMAT_VERSION, "fingerprint": spec.fingerprint, "split": spec.split,
-        "file": spec.tar_path.name, "bytes": tar.stat().st_size, "sha256": sha256_file(tar),
+        "bytes": tar.stat().st_size, "sha256": sha256_file(tar),
         "samples": len(metas), "captions": len(captions),
         "triplets": sum(len(c["triplets"]) for c in captions),
         "tokens": sum(len(c["tokens"]) for c in captions),
         "relation_counts": dict(Counter(t[0] for c in captions for t in c["triplets"])),
         "word_counts": dict(Counter(w for c in captions for w in c["tokens"])),
-        "skipped": [p.to_json() for p in problems],
     }

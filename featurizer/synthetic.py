@@ -16,6 +16,7 @@ captions of the two apart; colours and shapes are recombined freely across the o
 from __future__ import annotations
 
 import colorsys
+import io
 import json
 import math
 import random
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import webdataset as wds
 from PIL import Image, ImageDraw
 
 DEFAULT_NUM_TRAIN = 600  # demo size: a few minutes of training on 2 CPU processes
@@ -90,6 +92,36 @@ def generate(out_dir: Path, num_train: int, num_val: int, seed: int,
                           "boxes": [list(shape.box) for shape in scene.shapes]}
                 out.write(json.dumps(record) + "\n")
     return jsonl
+
+
+def write_img2dataset(out_dir: Path, count: int, per_shard: int, seed: int = 0,
+                      image_size: int = 128, split: str | None = None) -> list[Path]:
+    """`count` scenes as img2dataset writes downloaded images: shards `00000.tar`, ... of
+    `per_shard` samples keyed `{shard:05d}{index:04d}`, each a JPEG, its first caption as `txt`
+    and a json (url, key, status, sizes, caption; and `split` when given). Same seed, same bytes.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shard, start in enumerate(range(0, count, per_shard)):
+        path = out_dir / f"{shard:05d}.tar"
+        scenes = make_scenes(min(per_shard, count - start), seed * 1_000_000 + shard,
+                             "img2dataset", image_size)
+        with wds.TarWriter(str(path), encoder=False, mtime=0) as tar:
+            for index, scene in enumerate(scenes):
+                key = f"{shard:05d}{index:04d}"
+                jpeg = io.BytesIO()
+                render(scene).save(jpeg, format="JPEG", quality=90)
+                meta = {"url": f"https://images.example/{key}.jpg", "key": key,
+                        "status": "success", "error_message": None, "width": scene.size,
+                        "height": scene.size, "original_width": scene.size,
+                        "original_height": scene.size, "caption": scene.captions[0]}
+                if split is not None:
+                    meta["split"] = split
+                tar.write({"__key__": key, "jpg": jpeg.getvalue(),
+                           "txt": scene.captions[0].encode(), "json": json.dumps(meta).encode()})
+        written.append(path)
+    return written
 
 
 def make_scenes(count: int, seed: int, split: str, image_size: int = 128) -> list[Scene]:

@@ -1,0 +1,149 @@
+"""The `webdataset` source: img2dataset-layout WebDataset shards, streamed from any URL.
+
+img2dataset writes one sample per downloaded image, keyed `{shard:05d}{index:04d}` (any key
+webdataset groups by is read): `{key}.jpg` (or `.jpeg`, `.png`, `.webp`), `{key}.txt` (the
+caption) and `{key}.json` (url, width, height, status, ..., and `caption` when it had one).
+A sample's captions are its `txt`, else the json's `caption`, or its `captions` list (several
+captions per image, as Flickr and COCO have); its split is the json's `split`, else
+`--default-split`. A shard is opened by `defrag.urls.open_url`, the trainer's opener: a path,
+brace-expanded list entry, `http(s)://` (curl, with a timeout) or `pipe:` command.
+
+Each sample that cannot be used is a `Problem` named by shard URL (credentials masked) and key:
+no image entry (`missing_image`), no caption (`no_captions`), a caption that is not UTF-8
+(`not_utf8`), a json that does not parse or a split that cannot name a folder (`malformed`), a key
+already read from this shard (`duplicate_image`); a shard that ends early (a damaged tar) is one
+`malformed` problem and the samples before it are kept. Images are decoded later, one at a time,
+by the unit that writes them (featurizer/ingest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+from defrag.urls import open_url, redact
+from featurizer.records import (
+    DUPLICATE_IMAGE,
+    MALFORMED,
+    MISSING_IMAGE,
+    NO_CAPTIONS,
+    NOT_UTF8,
+    Origin,
+    Problem,
+    image_key,
+)
+
+IMAGE_ENTRIES = ("jpg", "jpeg", "png", "webp")  # the first one a sample has is its image
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a split from a sample names one output folder
+_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass
+class Sample:
+    """One img2dataset sample: its key (the image id in the output), image bytes and captions."""
+
+    key: str
+    image: bytes
+    captions: list[str]
+    split: str
+    origin: Origin
+    lost: list[Problem] = field(default_factory=list)  # captions left out (not UTF-8)
+
+
+def read_samples(url: str, default_split: str, timeout: float) -> Iterator[Sample | Problem]:
+    """The samples of the shard at `url`, in tar order, and a Problem for each one left out.
+    OSError when the stream itself fails (unreachable, refused, cut): the caller retries."""
+    where = redact(url)
+    seen: set[str] = set()
+    repeated: list[Exception] = []  # a second file of one entry name in a sample: left out
+
+    def note(err: Exception) -> bool:
+        if not (isinstance(err, ValueError) and "duplicate file name" in str(err)):
+            raise err
+        repeated.append(err)
+        return True
+
+    with open_url(url, timeout) as stream:
+        members = ({**member, "__url__": where} for member in tar_file_iterator(stream))
+        try:
+            for entries in group_by_keys(members, handler=note):
+                while repeated:
+                    yield Problem(Origin(where), MALFORMED,
+                                  f"{repeated.pop(0).args[0]}: the later file left out")
+                sample = _sample(entries, where, default_split)
+                if isinstance(sample, Sample):
+                    if sample.key in seen:
+                        sample = Problem(sample.origin, DUPLICATE_IMAGE,
+                                         f"key {entries['__key__']} already read from {where}",
+                                         sample.split)
+                    else:
+                        seen.add(sample.key)
+                yield sample
+        except (tarfile.TarError, EOFError) as err:
+            yield Problem(Origin(where), MALFORMED,
+                          f"the shard ends early or is damaged after {len(seen)} samples "
+                          f"({type(err).__name__}: {err}); the samples before kept")
+
+
+def _sample(entries: dict, where: str, default_split: str) -> Sample | Problem:
+    raw_key = entries["__key__"]
+    key = raw_key if _KEY.fullmatch(raw_key) else image_key(raw_key)
+    origin = Origin(where, item=raw_key)
+    meta: dict = {}
+    if "json" in entries:
+        try:
+            meta = json.loads(entries["json"])
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        except ValueError as err:
+            return Problem(origin, MALFORMED, f"its json does not parse ({err}); sample skipped")
+    split = meta.get("split", default_split)
+    if not isinstance(split, str) or not SPLIT_NAME.fullmatch(split):
+        return Problem(origin, MALFORMED, f"split {split!r} cannot name a folder (only "
+                                          f"[A-Za-z0-9_.-]); sample skipped")
+    image = next((entries[name] for name in IMAGE_ENTRIES if name in entries), None)
+    if image is None:
+        return Problem(origin, MISSING_IMAGE, f"no image entry ({', '.join(IMAGE_ENTRIES)}); "
+                                              f"it has {_entry_names(entries)}", split)
+    texts, lost = _captions(entries, meta, origin, split)
+    if not texts:
+        why = "; ".join(p.detail for p in lost) or f"no txt entry or json caption(s) (it has " \
+                                                     f"{_entry_names(entries)})"
+        return Problem(origin, NO_CAPTIONS, f"{raw_key}: no usable caption ({why})", split)
+    return Sample(key, image, texts, split, origin, lost)
+
+
+def _captions(entries: dict, meta: dict, origin: Origin,
+              split: str) -> tuple[list[str], list[Problem]]:
+    """The non-empty captions of a sample (txt, else json caption or captions) and the
+    problems of those that are not text."""
+    if "txt" in entries:
+        raw = [entries["txt"]]
+    elif isinstance(meta.get("captions"), list):
+        raw = meta["captions"]
+    else:
+        raw = [meta.get("caption")] if meta.get("caption") is not None else []
+    texts, lost = [], []
+    for number, value in enumerate(raw):
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8").removeprefix("\ufeff")
+            except UnicodeDecodeError as err:
+                lost.append(Problem(origin, NOT_UTF8, f"caption {number} is not UTF-8 (byte "
+                                                      f"0x{value[err.start]:02x})", split))
+                continue
+        if not isinstance(value, str):
+            lost.append(Problem(origin, MALFORMED, f"caption {number} is {value!r}, not text",
+                                split))
+        elif value.strip():
+            texts.append(value.strip())
+    return texts, lost
+
+
+def _entry_names(entries: dict) -> str:
+    return ", ".join(sorted(k for k in entries if not k.startswith("__"))) or "no entries"

@@ -1,0 +1,304 @@
+"""The webdataset source's run: input shards -> output shards, split over tasks, then merged.
+
+Unit u of the work is input shard u (of the list `--shards` expands to) and belongs to task
+u % N (defrag/tasks.py: a SLURM array task, a torchrun rank, `--task I --tasks N`, or the whole
+job). A unit streams its shard (featurizer/img2dataset.py) CHUNK samples at a time: their captions
+parsed, then each image decoded, boxed and appended to its split's output shard
+`<split>/shard-<u>.tar` (with `--shard-size K`, pieces of K images `<split>/shard-<u>-<j>.tar`),
+each put whole once complete (featurizer/destinations.py). The unit's part, `parts/<u>.json`
+(its shards with their counts, its skipped inputs), is put last: a unit whose part matches the
+run's settings and whose shards are there is finished, and a rerun skips it. Each task also puts
+`parts/plan.json` (the units and settings). Memory holds CHUNK samples and one shard's metadata
+per split, whatever the size of the data.
+
+`merge` reads the plan and every part, builds the vocabulary from the training split's counts
+(every token is kept in the shards, so the counts the units recorded are all it needs) or reuses
+`--vocab`, then puts vocab.json and manifest.json, last: a manifest never names a missing shard.
+The same input shards give the same output bytes in any number of tasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+from tqdm import tqdm
+
+from defrag.shard_format import FORMAT_VERSION
+from defrag.tasks import Task
+from defrag.urls import HttpError, ShardError, describe_error, redact
+from featurizer.boxes import make_box_source
+from featurizer.destinations import Destination, destination, write_text
+from featurizer.images import BadImage, decode_image
+from featurizer.img2dataset import read_samples
+from featurizer.parsing import Parser, make_parser
+from featurizer.pipeline import (
+    Settings,
+    checked_vocabulary,
+    finish,
+    in_workers,
+    jsonable,
+    log_problems,
+)
+from featurizer.records import Caption, ImageRecord, Problem
+from featurizer.shards import sample_of, summary, usable_captions
+
+log = logging.getLogger(__name__)
+CHUNK = 64  # samples parsed together; their images are decoded one at a time
+PLAN = "parts/plan.json"
+TIMEOUT = 60.0  # seconds an input read may stall
+RETRIES = 3  # reads of an input shard that fails midway, from its start
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Input shard `index` and everything a worker process needs to turn it into output."""
+
+    index: int
+    url: str
+    name: str  # the input's file name: the shard's samples' "file" is `<name>/<key>`
+    fingerprint: str  # of the settings that decide the output bytes, and of the input's name
+    out: str
+    out_read: str | None
+    default_split: str
+    shard_size: int | None
+    max_image_pixels: int
+
+    @property
+    def part(self) -> str:
+        return f"parts/{self.index:06d}.json"
+
+
+def featurize_shards(shards: str, out_read: str | None, default_split: str, settings: Settings,
+                     task: Task) -> dict:
+    """Task `task` of featurizing the img2dataset shards `shards` into `settings.out` (one task of
+    one: the whole job, merged too). Returns what it did: units, finished, written, skipped."""
+    parser = make_parser(settings.parser, settings.parse_batch_size)
+    parser.check()
+    checked_vocabulary(settings)  # a --vocab or --word-vectors that cannot be read fails now
+    box_source = make_box_source(settings.boxes, **settings.box_options)
+    where = destination(str(settings.out), out_read)
+    inputs = wds.shardlists.expand_urls(shards)
+    if not inputs:
+        raise ValueError(f"--shards {redact(shards)} names no shard")
+    units = _plan(inputs, out_read, default_split, settings, parser, box_source)
+    write_text(where, PLAN, json.dumps({
+        "format": FORMAT_VERSION, "parser": parser.describe(), "box_source": box_source.describe(),
+        "settings": redact(jsonable(vars(settings))), "command": redact(settings.command),
+        "units": [{"input": unit.name, "fingerprint": unit.fingerprint} for unit in units],
+    }, ensure_ascii=False, indent=1))
+
+    mine = [unit for unit in units if task.owns(unit.index)]
+    todo = [unit for unit in mine if not _finished(unit, where)]
+    log.info("task %d of %d: %d of %d input shards are this task's, %d already finished, %d to "
+             "write with %d worker(s) into %s", task.index, task.count, len(mine), len(units),
+             len(mine) - len(todo), len(todo), settings.workers, where.location)
+    with tqdm(unit="img", desc=f"featurize task {task.index}/{task.count}") as bar:
+        parts = in_workers(featurize_unit, todo, settings, parser, box_source, bar)
+    problems = [Problem.from_json(p) for part in parts for p in part["skipped"]]
+    log_problems(problems, "while writing shards")
+    done = {"task": task.index, "tasks": task.count, "units": len(units), "mine": len(mine),
+            "finished_before": len(mine) - len(todo), "written": len(todo),
+            "samples": sum(shard["samples"] for part in parts for shard in part["shards"]),
+            "skipped": len(problems)}
+    if task.count == 1:
+        done["manifest"] = merge(str(settings.out), out_read)
+    return done
+
+
+def _plan(inputs: list[str], out_read: str | None, default_split: str, settings: Settings,
+          parser: Parser, box_source: Any) -> list[Unit]:
+    """One unit per input shard; its fingerprint covers the input's name (not its URL, whose
+    signature may change) and the settings that decide its bytes."""
+    decisive = {"format": FORMAT_VERSION, "parser": parser.describe(),
+                "boxes": box_source.describe(), "default_split": default_split,
+                "shard_size": settings.shard_size, "max_image_pixels": settings.max_image_pixels}
+    units = []
+    for index, url in enumerate(inputs):
+        name = _input_name(url, index)
+        payload = json.dumps({**decisive, "unit": index, "input": name}, sort_keys=True)
+        units.append(Unit(index, url, name, hashlib.sha256(payload.encode()).hexdigest(),
+                          str(settings.out), out_read, default_split, settings.shard_size,
+                          settings.max_image_pixels))
+    return units
+
+
+def _input_name(url: str, index: int) -> str:
+    """The file name of an input shard URL (`pipe:aws s3 cp s3://b/00003.tar -` -> 00003.tar)."""
+    names = [word.rsplit("/", 1)[-1].split("?")[0] for word in url.split()
+             if ".tar" in word.rsplit("/", 1)[-1]]
+    return names[-1] if names else f"input-{index:06d}"
+
+
+def _finished(unit: Unit, where: Destination) -> bool:
+    """Whether the unit's part is there, of these settings, with each of its shards at its size
+    (when the destination can tell sizes)."""
+    try:
+        part = json.loads(where.read(unit.part) or b"null")
+    except ValueError:
+        return False
+    if not isinstance(part, dict) or part.get("fingerprint") != unit.fingerprint:
+        return False
+    return not where.sizes_known or all(
+        where.size(f"{shard['split']}/{shard['file']}") == shard["bytes"]
+        for shard in part["shards"])
+
+
+def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
+                   progress: Callable[[int], object]) -> dict:
+    """Write the output shards and then the part of `unit`; returns the part. A read that fails
+    midway is retried from the start of the shard, RETRIES times."""
+    where = destination(unit.out, unit.out_read)
+    for attempt in itertools.count():
+        scratch = where.scratch()
+        try:
+            return _write_unit(unit, parser, boxes, progress, where, scratch)
+        except OSError as err:
+            if (isinstance(err, HttpError) and err.permanent) or attempt == RETRIES:
+                raise ShardError(f"cannot read {redact(unit.url)} ({describe_error(err)}); "
+                                 f"run the task again once it can be read: it redoes only the "
+                                 f"shards it has not finished") from err
+            log.warning("reading %s failed (%s); again from its start", redact(unit.url),
+                        describe_error(err))
+            time.sleep(min(2.0 ** attempt, 10.0))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[[int], object],
+                where: Destination, scratch: Path) -> dict:
+    outputs: dict[str, _Output] = {}
+    shards: list[dict] = []
+    problems: list[Problem] = []
+    stream = read_samples(unit.url, unit.default_split, TIMEOUT)
+    for chunk in iter(lambda: list(itertools.islice(stream, CHUNK)), []):
+        samples = [item for item in chunk if not isinstance(item, Problem)]
+        problems += [item for item in chunk if isinstance(item, Problem)]
+        progress(len(chunk) - len(samples))
+        parsed = iter(parser.parse([text for sample in samples for text in sample.captions]))
+        for sample in samples:
+            record = ImageRecord(sample.key, sample.split, Path(), f"{unit.name}/{sample.key}",
+                                 sample.origin, [Caption(text, sample.origin)
+                                                 for text in sample.captions],
+                                 dropped=sample.lost)
+            captions = [(caption, next(parsed)) for caption in record.captions]
+            try:
+                image = decode_image(sample.image, f"{redact(unit.url)} [{sample.key}]",
+                                     unit.max_image_pixels)
+            except BadImage as bad:
+                problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
+                progress(1)
+                continue
+            kept = usable_captions(record, captions, problems)
+            if kept:
+                if record.split not in outputs:
+                    outputs[record.split] = _Output(unit, record.split, scratch)
+                shards += outputs[record.split].add(*sample_of(record, image, kept, boxes),
+                                                    where)
+            progress(1)
+    for output in outputs.values():
+        shards += output.close(where)
+    part = {"format": FORMAT_VERSION, "fingerprint": unit.fingerprint, "unit": unit.index,
+            "input": unit.name, "shards": shards, "skipped": [p.to_json() for p in problems]}
+    write_text(where, unit.part, json.dumps(part, ensure_ascii=False))
+    return part
+
+
+class _Output:
+    """The output shards of one split of a unit: samples appended to a local tar, which is put
+    whole when it is full (`shard_size`) or the unit ends."""
+
+    def __init__(self, unit: Unit, split: str, scratch: Path) -> None:
+        self.unit, self.split, self.scratch = unit, split, scratch
+        self.piece = 0
+        self._open()
+
+    def _open(self) -> None:
+        index = self.unit.index
+        self.file = (f"shard-{index:06d}.tar" if self.unit.shard_size is None
+                     else f"shard-{index:06d}-{self.piece:04d}.tar")
+        self.path = self.scratch / f"{self.split}-{self.file}"
+        self.stream = self.path.open("wb")
+        self.writer = wds.TarWriter(self.stream, encoder=False, mtime=0)
+        self.metas: list[dict] = []
+
+    def add(self, key: str, extension: str, data: bytes, meta: dict,
+            where: Destination) -> list[dict]:
+        """Append a sample; the shard put when full (its sidecar returned), else []."""
+        self.writer.write({"__key__": key, extension: data,
+                           "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+        self.metas.append(meta)
+        if self.unit.shard_size is None or len(self.metas) < self.unit.shard_size:
+            return []
+        done = self.close(where)
+        self.piece += 1
+        self._open()
+        return done
+
+    def close(self, where: Destination) -> list[dict]:
+        """Put the current shard (if it holds a sample) and return its sidecar."""
+        self.writer.close()
+        self.stream.close()
+        if not self.metas:
+            self.path.unlink()
+            return []
+        sidecar = {"split": self.split, "file": self.file, **summary(self.path, self.metas)}
+        where.put(f"{self.split}/{self.file}", self.path)
+        return [sidecar]
+
+
+def merge(out: str, out_read: str | None = None) -> dict:
+    """Put the vocabulary and the manifest of the set at `out` from its plan and every unit's
+    part; one line naming the unfinished input shards if any is."""
+    where = destination(out, out_read)
+    try:
+        plan = json.loads(where.read(PLAN) or b"null")
+    except ValueError as err:
+        raise ValueError(f"{where.location}: {PLAN} is damaged ({err}); run the tasks again") \
+            from err
+    if not isinstance(plan, dict):
+        raise ValueError(f"{where.location} has no {PLAN}: run `featurize webdataset ... --out "
+                         f"{where.location}` (every task of it) before the merge")
+    parts, missing = [], []
+    for index, unit in enumerate(plan["units"]):
+        name = f"parts/{index:06d}.json"
+        try:
+            part = json.loads(where.read(name) or b"null")
+        except ValueError:
+            part = None
+        if not isinstance(part, dict) or part.get("fingerprint") != unit["fingerprint"]:
+            missing.append(f"{unit['input']} (unit {index})")
+        else:
+            parts.append(part)
+    if missing:
+        raise ValueError(f"{len(missing)} of the {len(plan['units'])} input shards are not "
+                         f"finished in {where.location}: {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}; run the job's tasks again (each "
+                         f"redoes only what it has not finished: unit u is task u % N's), then "
+                         f"merge again")
+    settings = Settings(**{**plan["settings"], "command": plan["command"]})
+    by_split: dict[str, list[dict]] = {}
+    for part in parts:
+        for shard in part["shards"]:
+            by_split.setdefault(shard["split"], []).append(shard)
+    by_split = dict(sorted(by_split.items()))
+    reused = checked_vocabulary(settings)
+    if reused is None and settings.train_split not in by_split:
+        raise ValueError(f"no {settings.train_split!r} samples to build the vocabulary from (the "
+                         f"shards hold {sorted(by_split) or 'nothing'}): featurize with "
+                         f"--default-split {settings.train_split} or --train-split NAME, or "
+                         f"reuse a vocabulary with --vocab")
+    problems = [Problem.from_json(p) for part in parts for p in part["skipped"]]
+    return finish(settings, where, plan["parser"], plan["box_source"], reused, by_split,
+                  problems)
+
