@@ -13,6 +13,7 @@ FORMAT_VERSION = 2  # what the featurizer writes
 # needs; 2 adds its dependency tree and POS tags.
 READABLE_FORMATS = (1, 2)  # FORMAT_VERSION among them (a test checks)
 TREE_FORMAT = 2  # the first format whose captions have a "tree"
+IMAGE_ENTRIES = ("jpg", "png", "webp")  # a sample's image, stored as the source's bytes
 MANIFEST = "manifest.json"  # beside the split folders
 VOCAB = "vocab.json"
 # "<split>/shard-NNNNNN.tar" in a URL; "shard-NNNNNN-JJJJ.tar" is piece J of input shard N of the
@@ -33,3 +34,8 @@ def unsafe_path(name: str) -> str | None:
     if any(part in ("", ".", "..") for part in name.split("/")):
         return "an empty, '.' or '..' path part"
     return None
+
+
+def image_entry(sample: dict) -> str | None:
+    """The name of a shard sample's image entry (`IMAGE_ENTRIES`), None if it has none."""
+    return next((name for name in IMAGE_ENTRIES if name in sample), None)

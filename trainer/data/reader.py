@@ -33,6 +33,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from defrag.files import sha256_stream
 from defrag.images import MAX_IMAGE_PIXELS, ImageTooLarge, decode
+from defrag.shard_format import IMAGE_ENTRIES, image_entry
 from defrag.urls import ShardError, describe_error, open_url, redact
 from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
@@ -141,12 +142,13 @@ class SampleDecoder:
     def decode(self, sample: dict, pixels: bool = True) -> CaptionedImage:
         """The CaptionedImage of one shard sample (its pixels left undecoded unless `pixels`);
         BadSample if it cannot be used."""
-        data = sample.get("jpg", sample.get("png"))
-        if data is None or "json" not in sample:
-            raise BadSample(f"needs a json and a jpg or png entry (entries: "
+        entry = image_entry(sample)
+        if entry is None or "json" not in sample:
+            raise BadSample(f"needs a json and a {'/'.join(IMAGE_ENTRIES)} entry (entries: "
                             f"{sorted(k for k in sample if not k.startswith('__'))})")
         image = self.describe(sample["json"])
-        return dataclasses.replace(image, pixels=self.pixels_of(image, data)) if pixels else image
+        return (dataclasses.replace(image, pixels=self.pixels_of(image, sample[entry])) if pixels
+                else image)
 
     def describe(self, meta_json: bytes | str) -> CaptionedImage:
         """A sample's metadata as a CaptionedImage whose pixels are not decoded yet: boxes kept
@@ -318,7 +320,7 @@ def _decoded(described: list[tuple[CaptionedImage, dict, str]], decoder: SampleD
             pixels.append(None)
         else:
             try:
-                pixels.append(decoder.pixels_of(image, sample.get("jpg", sample.get("png"))))
+                pixels.append(decoder.pixels_of(image, sample[image_entry(sample)]))
             except BadSample as err:
                 notes.report(_skipped(url, sample, err))
                 continue

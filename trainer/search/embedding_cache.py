@@ -25,7 +25,7 @@ from trainer.search.fragment_set import FragmentSet
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 CACHE_DIR = ".defrag-index"
 CACHE_FORMAT = 1
 

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from defrag.cli import add_debug_flag, one_line_errors
 from defrag.files import TEMPORARY, write_atomically
 from defrag.images import DECODER_VERSION
+from defrag.shard_format import image_entry
 from defrag.tasks import WHOLE_JOB, Task, add_task_flags, task_from
 from defrag.urls import redact
 from trainer.batch import owners
@@ -159,7 +160,7 @@ def _shard_unit(shard: Shard, embedder: Embedder, files: Path, options: ReadOpti
         except BadSample as err:
             problems.append(f"{shard.url}: sample {sample.get('__key__')!r} skipped: {err}")
             continue
-        extension = "jpg" if "jpg" in sample else "png"
+        extension = image_entry(sample)
         name = image.image_id.replace("/", "_")
         if Path(name).suffix.lower() not in IMAGE_SUFFIXES:
             name = f"{name}.{extension}"
