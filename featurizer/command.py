@@ -60,6 +60,8 @@ def _option_value(text: str) -> object:
 
 
 def _common_flags() -> argparse.ArgumentParser:
+    """The flags every source takes: a new parser per source, so that one source's defaults
+    (`set_defaults`) are not every source's (argparse shares a parent's flag objects)."""
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("--out", required=True,
                        help="output folder (shards, manifest); the webdataset source also "
@@ -100,9 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="defrag featurize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="source", required=True)
-    common = _common_flags()
 
-    flickr = commands.add_parser("flickr", parents=[common],
+    flickr = commands.add_parser("flickr", parents=[_common_flags()],
                                  help="Flickr8k/Flickr30k release (token file, split lists)")
     flickr.add_argument("--root", type=Path, required=True, help="release folder")
     flickr.add_argument("--token-file", default=FLICKR8K_TOKEN_FILE,
@@ -113,12 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="split list relative to --root, repeatable; replaces the Flickr8k "
                              f"defaults {FLICKR8K_SPLIT_FILES}")
 
-    karpathy = commands.add_parser("karpathy", parents=[common], help="Karpathy-split JSON")
+    karpathy = commands.add_parser("karpathy", parents=[_common_flags()],
+                                   help="Karpathy-split JSON")
     karpathy.add_argument("--json", type=Path, required=True, help="dataset_*.json")
     karpathy.add_argument("--images", type=Path, required=True,
                           help="folder the JSON's filepath/filename are relative to")
 
-    jsonl = commands.add_parser("jsonl", parents=[common],
+    jsonl = commands.add_parser("jsonl", parents=[_common_flags()],
                                 help='JSONL of {"image", "captions", "split"}')
     jsonl.add_argument("--jsonl", type=Path, required=True)
     jsonl.add_argument("--images", type=Path,
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help='split of lines without "split" (default: train)')
 
     webdataset = commands.add_parser(
-        "webdataset", parents=[common],
+        "webdataset", parents=[_common_flags()],
         help="img2dataset shards (jpg/png/webp + txt/json) from any URL; one task of a job "
              "array under SLURM_ARRAY_TASK_ID/COUNT, RANK/WORLD_SIZE or --task/--tasks")
     webdataset.add_argument("--shards", required=True,
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "as outside_images")
 
     synthetic = commands.add_parser(
-        "synthetic", parents=[common],
+        "synthetic", parents=[_common_flags()],
         help="generate a small synthetic dataset and featurize it (spaCy, given boxes)")
     synthetic.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN)
     synthetic.add_argument("--num-val", type=int, default=DEFAULT_NUM_VAL)
