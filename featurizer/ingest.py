@@ -103,7 +103,15 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
              "write with %d worker(s) into %s", task.index, task.count, len(mine), len(units),
              len(mine) - len(todo), len(todo), settings.workers, where.location)
     with tqdm(unit="img", desc=f"featurize task {task.index}/{task.count}") as bar:
-        parts = in_workers(featurize_unit, todo, settings, parser, box_source, bar)
+        results = in_workers(featurize_unit, todo, settings, parser, box_source, bar)
+    failed = [result["failed"] for result in results if "failed" in result]
+    if failed:
+        for line in failed:
+            log.error("%s", line)
+        raise ShardError(f"{len(failed)} of the task's {len(todo)} input shards failed, e.g. "
+                         f"{failed[0]}; run the task again once they can be read: it redoes "
+                         f"only what it has not finished")
+    parts = results
     problems = [Problem.from_json(p) for part in parts for p in part["skipped"]]
     log_problems(problems, "while writing shards")
     done = {"task": task.index, "tasks": task.count, "units": len(units), "mine": len(mine),
@@ -155,8 +163,9 @@ def _finished(unit: Unit, where: Destination) -> bool:
 
 def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
                    progress: Callable[[int], object]) -> dict:
-    """Write the output shards and then the part of `unit`; returns the part. A read that fails
-    midway is retried from the start of the shard, RETRIES times."""
+    """Write the output shards and then the part of `unit`; returns the part, or {"failed": why}
+    (the other units go on). A read that fails midway is retried from the start, RETRIES
+    times."""
     where = destination(unit.out, unit.out_read)
     for attempt in itertools.count():
         scratch = where.scratch()
@@ -164,9 +173,7 @@ def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
             return _write_unit(unit, parser, boxes, progress, where, scratch)
         except OSError as err:
             if (isinstance(err, HttpError) and err.permanent) or attempt == RETRIES:
-                raise ShardError(f"cannot read {redact(unit.url)} ({describe_error(err)}); "
-                                 f"run the task again once it can be read: it redoes only the "
-                                 f"shards it has not finished") from err
+                return {"failed": f"cannot read {redact(unit.url)} ({describe_error(err)})"}
             log.warning("reading %s failed (%s); again from its start", redact(unit.url),
                         describe_error(err))
             time.sleep(min(2.0 ** attempt, 10.0))

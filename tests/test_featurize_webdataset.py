@@ -1,0 +1,229 @@
+"""`featurize webdataset` on generated img2dataset shards: every kind of bad sample named, counted
+and skipped; images decoded as everywhere (EXIF, 16-bit, WebP); tasks that give the bytes of one
+process; reruns that redo only what is missing; a merge that names what is; the pipe: output;
+secrets kept out of what is written; an input cut mid-shard read again; the trainer reading it."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from defrag.urls import MASK
+from defrag.vocab import Vocabulary
+from featurizer.command import main
+from featurizer.destinations import _turned_around
+from featurizer.synthetic import write_img2dataset
+from tests.servers import serve_folder
+from trainer.data.reader import SampleDecoder
+from trainer.data.shardset import locate_split
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--parser", "spacy", "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]
+
+
+def featurize(*argv: str | Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """`defrag featurize ARGV` in this process; what it printed."""
+    assert main([str(arg) for arg in argv]) == 0
+    return capsys.readouterr().out
+
+
+def jpeg(colour: tuple[int, int, int], size: tuple[int, int] = (48, 32),
+         orientation: int | None = None) -> bytes:
+    image, out = Image.new("RGB", size, colour), io.BytesIO()
+    exif = Image.Exif()
+    if orientation:
+        exif[0x0112] = orientation
+    image.save(out, "JPEG", exif=exif.tobytes())
+    return out.getvalue()
+
+
+def encoded(image: Image.Image, kind: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, kind)
+    return out.getvalue()
+
+
+DEEP_PNG = encoded(Image.frombytes(  # a 16-bit grey ramp
+    "I;16", (48, 32), (np.arange(48 * 32, dtype="<u2") * 40).tobytes()), "PNG")
+
+
+def write_tar(path: Path, samples: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path), encoder=False, mtime=0) as tar:
+        for sample in samples:
+            tar.write(sample)
+
+
+def meta(**fields) -> bytes:
+    return json.dumps({"status": "success", **fields}).encode()
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    """One img2dataset shard holding good samples of several image kinds and every bad kind."""
+    samples = [
+        {"__key__": "000000000", "jpg": jpeg((200, 30, 30)), "txt": b"A red dog runs .",
+         "json": meta(caption="A red dog runs .")},
+        {"__key__": "000000001", "jpg": jpeg((30, 200, 30), orientation=6),  # stored sideways
+         "txt": b"A green cat sleeps .", "json": meta()},
+        {"__key__": "000000002", "webp": encoded(Image.new("RGB", (40, 40), (9, 9, 200)), "WEBP"),
+         "json": meta(captions=["A blue ball .", "A ball on the floor ."], split="val")},
+        {"__key__": "000000003", "png": DEEP_PNG, "txt": b"A grey ramp ."},
+        {"__key__": "000000004", "txt": b"No image here ."},  # missing_image
+        {"__key__": "000000005", "jpg": jpeg((1, 2, 3)), "json": meta()},  # no_captions
+        {"__key__": "000000006", "jpg": jpeg((1, 2, 3)), "txt": b"caf\xe9 ."},  # not UTF-8
+        {"__key__": "000000007", "jpg": jpeg((1, 2, 3)), "txt": b"A dog .",
+         "json": b"{broken"},  # malformed
+        {"__key__": "000000008", "jpg": b"not an image", "txt": b"A dog ."},  # bad_image
+        {"__key__": "000000009", "jpg": jpeg((1, 2, 3)), "txt": b"A dog .",
+         "json": meta(split="../../etc")},  # malformed: a split that is no folder name
+        {"__key__": "000000000", "jpg": jpeg((1, 2, 3)), "txt": b"A dog ."},  # duplicate_image
+    ]
+    write_tar(tmp_path / "in" / "00000.tar", samples)
+    return tmp_path / "in" / "00000.tar"
+
+
+def test_every_bad_sample_is_named_counted_and_skipped(mixed: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]):
+    out = tmp_path / "out"
+    printed = featurize("webdataset", "--shards", mixed, "--out", out, *FLAGS, capsys=capsys)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {
+        "bad_image": 1, "duplicate_image": 1, "malformed": 2, "missing_image": 1,
+        "no_captions": 2}
+    for item in manifest["skipped"]["items"]:
+        assert item["file"] == str(mixed) and item["item"].startswith("00000000"), item
+    no_caption = [i for i in manifest["skipped"]["items"] if i["reason"] == "no_captions"]
+    assert any("not UTF-8" in item["detail"] for item in no_caption)
+    assert manifest["splits"]["train"]["images"] == 3 and manifest["splits"]["val"]["images"] == 1
+    assert manifest["splits"]["val"]["captions"] == 2
+    assert "train: 3 images" in printed and "7 inputs skipped" in printed
+
+    samples = {s["__key__"]: s for s in wds.WebDataset(str(out / "train/shard-000000.tar"),
+                                                       shardshuffle=False)}
+    metas = {key: json.loads(s["json"]) for key, s in samples.items()}
+    assert (metas["000000001"]["width"], metas["000000001"]["height"]) == (32, 48)  # EXIF turned
+    assert metas["000000001"]["boxes"] == [[0, 0, 32, 48]]
+    assert metas["000000001"]["file"] == "00000.tar/000000001"
+    assert samples["000000003"]["png"] == DEEP_PNG  # the source's bytes, not re-encoded
+    val = next(iter(wds.WebDataset(str(out / "val/shard-000000.tar"), shardshuffle=False)))
+    assert set(val) >= {"webp", "json"}
+    vocab = Vocabulary.load(out / "vocab.json")
+    decoder = SampleDecoder(vocab, image_size=32, max_boxes=1, fragment_mode="triplet")
+    image = decoder.decode({**val, "json": val["json"]})  # the trainer reads the WebP sample
+    assert image.pixels.shape == (32, 32, 3) and image.pixels[..., 2].mean() > 150
+
+
+def test_tasks_give_one_process_bytes_and_reruns_redo_only_what_is_missing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_img2dataset(tmp_path / "in", count=14, per_shard=4, image_size=64)
+    shards = str(tmp_path / "in" / "{00000..00003}.tar")
+    featurize("webdataset", "--shards", shards, "--out", tmp_path / "one", *FLAGS, capsys=capsys)
+    split = tmp_path / "split"
+    with pytest.raises(SystemExit, match="merge.*no parts/plan.json"):
+        main(["merge", "--out", str(split)])
+    for task in ("1", "0"):
+        printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", task,
+                            "--tasks", "2", *FLAGS, capsys=capsys)
+        assert "featurize merge --out" in printed
+        if task == "1":  # the merge names what task 0 has not done yet
+            with pytest.raises(SystemExit, match=r"2 of the 4 input shards are not finished.*"
+                                                 r"00000.tar \(unit 0\), 00002.tar \(unit 2\)"):
+                main(["merge", "--out", str(split)])
+    featurize("merge", "--out", split, capsys=capsys)
+    names = sorted(p.relative_to(tmp_path / "one").as_posix()
+                   for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert [n for n in names if n.endswith(".tar")] == [
+        f"train/shard-{u:06d}.tar" for u in range(4)]
+    for name in names:
+        if name.endswith((".tar", "vocab.json")) or name.startswith("parts/0"):
+            assert (split / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    ours, theirs = (json.loads((folder / "manifest.json").read_text())
+                    for folder in (split, tmp_path / "one"))
+    assert ours["splits"] == theirs["splits"] and ours["vocabulary"] == theirs["vocabulary"]
+
+    (split / "train/shard-000002.tar").unlink()  # lost: task 0 redoes unit 2 alone
+    printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", "0",
+                        "--tasks", "2", *FLAGS, capsys=capsys)
+    assert "2 of 4 input shards, 1 finished before, 1 written (4 images" in printed
+    assert (split / "train/shard-000002.tar").read_bytes() == (
+        tmp_path / "one/train/shard-000002.tar").read_bytes()
+    printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", "1",
+                        "--tasks", "2", *FLAGS, capsys=capsys)
+    assert "2 finished before, 0 written" in printed
+
+    pieces = tmp_path / "pieces"  # --shard-size cuts an input shard into pieces
+    featurize("webdataset", "--shards", shards, "--out", pieces, "--shard-size", "3", *FLAGS,
+              capsys=capsys)
+    files = [s["file"] for s in json.loads((pieces / "manifest.json").read_text())
+             ["splits"]["train"]["shards"]]
+    assert files[:3] == ["train/shard-000000-0000.tar", "train/shard-000000-0001.tar",
+                         "train/shard-000001-0000.tar"] and len(files) == 7
+    listed = locate_split(str(pieces / "train/shard-000000-{0000..0001}.tar"), "train",
+                          str(pieces / "manifest.json"))
+    assert [shard.samples for shard in listed.shards] == [3, 1]
+
+
+def test_a_pipe_output_is_read_back_to_skip_and_merge(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]):
+    write_img2dataset(tmp_path / "in", count=6, per_shard=3, image_size=64)
+    store = tmp_path / "store"
+    write = f"pipe:mkdir -p \"$(dirname {store}/{{shard}})\" && cat > {store}/{{shard}}"
+    read = f"pipe:cat {store}/{{shard}}"
+    argv = ["webdataset", "--shards", str(tmp_path / "in/{00000..00001}.tar"), "--out", write,
+            "--out-read", read, *FLAGS]
+    featurize(*argv, capsys=capsys)
+    assert json.loads((store / "manifest.json").read_text())["splits"]["train"]["images"] == 6
+    assert "2 finished before, 0 written" in featurize(*argv, capsys=capsys)
+    assert _turned_around("aws s3 cp - s3://b/p/{shard}") == "aws s3 cp s3://b/p/{shard} -"
+    with pytest.raises(SystemExit, match="give the command that reads a file back"):
+        main(["webdataset", "--shards", "x.tar", "--out", "pipe:tee {shard}", *FLAGS])
+    with pytest.raises(SystemExit, match=r"needs \{shard\}"):
+        main(["webdataset", "--shards", "x.tar", "--out", "pipe:cat > here", *FLAGS])
+
+
+def test_secrets_of_the_output_command_stay_out_of_what_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture):
+    write_img2dataset(tmp_path / "in", count=3, per_shard=3, image_size=64)
+    store, secret = tmp_path / "store", "s3cr3t-value"
+    write = (f"pipe:AWS_SECRET_ACCESS_KEY={secret} sh -c 'mkdir -p \"$(dirname "
+             f"{store}/{{shard}})\" && cat > {store}/{{shard}}'")
+    printed = featurize("webdataset", "--shards", tmp_path / "in/00000.tar", "--out", write,
+                        "--out-read", f"pipe:cat {store}/{{shard}}", *FLAGS, capsys=capsys)
+    written = [p.read_bytes() for p in store.rglob("*.json")]
+    assert len(written) == 4 and all(secret.encode() not in data for data in written)
+    assert MASK.encode() in (store / "manifest.json").read_bytes()
+    assert secret not in printed + caplog.text
+
+
+@pytest.mark.slow
+def test_an_input_cut_midway_is_read_again_from_its_start(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]):
+    write_img2dataset(tmp_path / "in", count=8, per_shard=4, image_size=64)
+    featurize("webdataset", "--shards", tmp_path / "in/{00000..00001}.tar", "--out",
+              tmp_path / "local", *FLAGS, capsys=capsys)
+    with serve_folder(tmp_path / "in", drop_after={"00001.tar": 3000}) as http:
+        featurize("webdataset", "--shards", f"{http.url}/{{00000..00001}}.tar", "--out",
+                  tmp_path / "remote", *FLAGS, capsys=capsys)
+        assert http.count("/00001.tar") == 2
+    for name in ("train/shard-000000.tar", "train/shard-000001.tar", "vocab.json"):
+        assert (tmp_path / "remote" / name).read_bytes() == (
+            tmp_path / "local" / name).read_bytes()
+    with serve_folder(tmp_path / "in", missing={"00001.tar"}) as http:
+        done = subprocess.run(
+            [sys.executable, "-m", "featurizer", "webdataset", "--shards",
+             f"{http.url}/{{00000..00001}}.tar", "--out", str(tmp_path / "gone"), *FLAGS],
+            capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"defrag featurize webdataset: error: 1 of the task's 2 input shards failed, e.g. cannot "
+        f"read {http.url}/00001.tar (curl exit 22, HTTP 404 Not Found); run the task again")
+    assert (tmp_path / "gone/parts/000000.json").is_file()  # the other shard was done
