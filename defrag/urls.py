@@ -1,5 +1,8 @@
-"""Opening the URLs that shard sets live at: local paths, `pipe:` commands, http(s) and every
-other scheme of webdataset's `gopen`; small files (manifest, vocabulary) read whole, retried.
+"""Opening the URLs that shard sets live at: local paths, `pipe:` commands, http(s), `s3://` and
+every other scheme of webdataset's `gopen`; small files (manifest, vocabulary) read whole, retried.
+
+`s3://BUCKET/KEY` is read with boto3, so with the usual AWS settings (credentials, AWS_PROFILE,
+AWS_ENDPOINT_URL for MinIO, R2, ... or a local test server), without the `aws` command.
 
 http(s) is opened with curl, as webdataset does, but with a timeout, so that a stalled or refused
 transfer ends after `timeout` seconds; curl's exit codes and HTTP statuses are put in words. The
@@ -85,11 +88,13 @@ class ShardError(RuntimeError):
 
 
 class HttpError(OSError):
-    """An http(s) read the server answered with an error status (`status`)."""
+    """An http(s) or S3 read the server answered with an error status (`status`); `said` is how
+    the reader put it (curl's exit, S3's error code)."""
 
-    def __init__(self, status: int, text: str) -> None:
+    def __init__(self, status: int, text: str, said: str = "curl exit 22") -> None:
         super().__init__(text)
         self.status = status
+        self.said = said
 
     @property
     def permanent(self) -> bool:
@@ -183,7 +188,55 @@ def open_url(url: str, timeout: float) -> IO[bytes]:
                          timeout=timeout, stdin=settings_read, stderr=subprocess.PIPE)
         finally:
             os.close(settings_read)
+    if url.startswith("s3://"):
+        return _S3Object(url, timeout)
     return wds.gopen(url, "rb", bufsize=1 << 20)
+
+
+def s3_client(timeout: float | None = None) -> Any:
+    """A boto3 S3 client of the AWS settings as they are now (a new one each time: it costs tens
+    of milliseconds, once per shard)."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config() if timeout is None else Config(connect_timeout=timeout,
+                                                     read_timeout=timeout)
+    return boto3.client("s3", config=config)
+
+
+class _S3Object:
+    """The body of `s3://BUCKET/KEY` as a binary stream; S3 and network errors become OSError
+    (HttpError with S3's status), as every other stream's do."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        self.url = url
+        self.body = self._call(lambda: s3_client(timeout).get_object(Bucket=bucket, Key=key)
+                               )["Body"]
+
+    def _call(self, action: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return action()
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "error")
+            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            raise HttpError(status, f"S3 {code}: {redact(str(err))}", f"S3 {code}") from None
+        except BotoCoreError as err:
+            raise OSError(f"S3 read of {redact(self.url)}: {redact(str(err))}") from None
+
+    def read(self, size: int = -1) -> bytes:
+        return self._call(lambda: self.body.read(None if size < 0 else size))
+
+    def close(self) -> None:
+        self.body.close()
+
+    def __enter__(self) -> _S3Object:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 HTTP_ADVICE = {
@@ -199,7 +252,7 @@ def describe_error(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}"
     match = re.search(r"\bexit (\d+)", text)
     if isinstance(err, HttpError):
-        text = f"curl exit 22, HTTP {err.status} {_phrase(err.status)}"
+        text = f"{err.said}, HTTP {err.status} {_phrase(err.status)}"
         if err.status in HTTP_ADVICE:
             text += f": {HTTP_ADVICE[err.status]}"
     elif match and "curl" in text and int(match.group(1)) in CURL_EXIT:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from defrag.files import TEMPORARY
-from defrag.urls import ShardError, redact
+from defrag.urls import ShardError, redact, s3_client
 
 PLACEHOLDER = "{shard}"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")  # what a put file may be named
@@ -105,15 +105,13 @@ class Bucket:
     """`s3://BUCKET/PREFIX` through boto3 (credentials and endpoint from the AWS settings)."""
 
     def __init__(self, url: str) -> None:
-        import boto3
-
         self.bucket, _, prefix = url.removeprefix("s3://").partition("/")
         if not self.bucket:
             raise ValueError(f"--out {redact(url)}: name a bucket, s3://BUCKET/PREFIX")
         self.prefix = prefix.strip("/")
         self.location = redact(url)
         self.sizes_known = True
-        self.client = boto3.client("s3")
+        self.client = s3_client()
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{_checked(name)}" if self.prefix else _checked(name)

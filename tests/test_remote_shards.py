@@ -36,6 +36,7 @@ from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import ROOT, final_weights, finish, tiny_config, torchrun
 from trainer.batch import Batch
 from trainer.data.eval_set import load_eval_set
+from trainer.data.shardset import load_vocabulary
 from trainer.data.train_loader import TrainLoader
 
 TRAIN = [f"/train/shard-{i:06d}.tar" for i in range(8)]  # the `shards` fixture's, as served
@@ -206,6 +207,27 @@ def test_s3_shard_lists_give_the_local_batches(shards: Path, vocab: Vocabulary,
         f"pipe:aws s3 cp s3://flickr/f8k/val/shard-00000{i}.tar -" for i in range(2)]
     assert_same_batches([remote_val], [local_val])
     assert not eval_set.problems
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_s3_folder_gives_the_local_batches(shards: Path, vocab: Vocabulary,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.shards = s3://BUCKET/PREFIX: manifest, vocabulary and shards read with boto3."""
+    local = epoch_batches(shards, vocab, workers=2)
+    with s3_server() as s3:
+        s3.upload_folder(shards, "flickr", prefix="f8k/")
+        for name, value in s3.env.items():
+            monkeypatch.setenv(name, value)
+        remote = epoch_batches("s3://flickr/f8k", vocab, workers=2)
+        assert load_vocabulary(make_config("s3://flickr/f8k").data) == vocab
+        s3.client().delete_object(Bucket="flickr", Key="f8k/train/shard-000006.tar")
+        with pytest.raises(ShardError) as failure:
+            epoch_batches("s3://flickr/f8k", vocab, world_size=1, workers=1, io_retries=1)
+    assert_same_batches(remote, local)
+    message = str(failure.value)
+    assert "s3://flickr/f8k/train/shard-000006.tar after 2 attempts" in message, message
+    assert "S3 NoSuchKey, HTTP 404 Not Found" in message, message
 
 
 # ---------------------------------------------------------------------------------------------

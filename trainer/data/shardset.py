@@ -3,8 +3,9 @@
 `data.shards` (and `--shards` of the command-line tools) is one of:
 
 - a local folder written by `defrag featurize ... --out FOLDER`;
-- the `http(s)://` URL of such a folder on a web server (`manifest.json` and `vocab.json` are
-  fetched from there, a shard is `<url>/<split>/shard-NNNNNN.tar`);
+- the `http(s)://` URL of such a folder on a web server, or its `s3://BUCKET/PREFIX` in an S3
+  bucket (`manifest.json` and `vocab.json` are fetched from there, a shard is
+  `<url>/<split>/shard-NNNNNN.tar`);
 - a WebDataset shard list, written as WebDataset users write them: brace ranges, `::`-joined
   lists, `pipe:` commands (`pipe:aws s3 cp s3://bucket/f8k/train/shard-{000000..000023}.tar -`),
   with the manifest given by path or URL (`data.manifest`; default: two folders above the first
@@ -101,7 +102,7 @@ def is_folder(spec: str) -> bool:
     """A featurizer output folder (local or http) rather than a shard list."""
     if spec.startswith("pipe:") or "::" in spec or "{" in spec or spec.endswith(".tar"):
         return False
-    return spec.startswith(("http://", "https://")) or Path(spec).is_dir()
+    return spec.startswith(("http://", "https://", "s3://")) or Path(spec).is_dir()
 
 
 def manifest_url(spec: str | None, manifest: str | None = None) -> str:
