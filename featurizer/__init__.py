@@ -1,11 +1,14 @@
 """The featurizer (`defrag featurize`): captioned images -> the WebDataset shards the trainer
 streams.
 
-Modules, in the order data flows: `sources` (read a dataset into `records`), `images` (read and
-check one image), `parsing` (captions -> tokens and dependency triplets), `boxes` (image ->
-region boxes), `shards` (one shard written atomically), `vocabulary` (dictionary and relation
-table rules), `pipeline` (the parallel, resumable run and its manifest), `synthetic` (a generated
-demo dataset), `command` (the CLI, `defrag featurize`).
+Modules, in the order data flows: `sources` (read a dataset into `records`), `img2dataset` (the
+`webdataset` source: img2dataset shards streamed from any URL), `images` (read and check one
+image), `parsing` (captions -> tokens and dependency triplets), `boxes` (image -> region boxes),
+`shards` (one shard written atomically), `vocabulary` (dictionary and relation table rules),
+`destinations` (where a set is written: a folder, s3://, pipe:), `pipeline` (the parallel,
+resumable run and its manifest), `ingest` (the webdataset source's run, split over tasks, and its
+merge), `synthetic` (generated demo data, also as img2dataset shards), `command` (the CLI,
+`defrag featurize`).
 
 Output layout (format version `defrag.shard_format.FORMAT_VERSION`):
 
@@ -16,6 +19,13 @@ Output layout (format version `defrag.shard_format.FORMAT_VERSION`):
     OUT/vocab.json               defrag.vocab.Vocabulary.save: words and kept relation types
     OUT/<split>/shard-000000.tar one WebDataset sample per image, samples sorted by image id
     OUT/<split>/shard-000000.json its sidecar: counts, sha256, input fingerprint (resumption)
+
+The `webdataset` source (featurizer/ingest.py) writes to a folder, `s3://BUCKET/PREFIX` or
+`pipe:COMMAND {shard}`: input shard u (of `--shards`) becomes `<split>/shard-<u:06d>.tar` (with
+`--shard-size K`, pieces `<split>/shard-<u:06d>-<j:04d>.tar`), samples in the input's order, keyed
+by the img2dataset key, "file" = `<input shard name>/<key>`; instead of sidecars, each input shard
+has its part `parts/<u:06d>.json` (its shards' counts and sha256, its skipped inputs) and the run
+its `parts/plan.json`; `featurize merge` writes vocab.json and manifest.json from them.
 
 The manifest's "skipped" has one item per distinct input left out, so `count` = the sum of
 `by_reason` = the number of `items`, and a split's "skipped" counts that split's items (an item
@@ -34,8 +44,8 @@ A sample's key is the image id (`records.image_key` of the image's normalised pa
 image folder): only [A-Za-z0-9_-], one key per path and one path per key, so `dup.jpg` and
 `dup.png` are two images and `dup.jpg` listed again (or as `./dup.jpg`) is a `duplicate_image`.
 A plain path keeps its words (`val2014/COCO_1.jpg` -> `val2014__COCO_1_jpg`), any other gets its
-words and a hash (`my pics/a.jpg` -> `my_pics_a_jpg-1f0c2a9e`). Its entries are `jpg` or `png`
-(the ORIGINAL file bytes, extension from the decoded format) and `json`:
+words and a hash (`my pics/a.jpg` -> `my_pics_a_jpg-1f0c2a9e`). Its entries are `jpg`, `png`
+or `webp` (the ORIGINAL file bytes, extension from the decoded format) and `json`:
 
     {"image_id", "split", "width", "height", "file": path relative to the image folder,
      "captions": [{"text", "tokens": [word, ...], "triplets": [[rel, governor, dependent], ...],
