@@ -117,7 +117,7 @@ class Damage:
 
 
 HEADER = Damage("header", overwrite_header, 1,
-                "needs a json and a jpg or png entry (entries: ['json'])", 3)
+                "needs a json and a jpg/png/webp entry (entries: ['json'])", 3)
 TRUNCATED = Damage("truncated", truncate, 2, None, 3)
 IMAGE = Damage("image", flip_image_bytes, 4, "cannot decode the image (", None)
 JSON = Damage("json", break_json, 4, "unusable metadata (JSONDecodeError: ", None)
@@ -408,7 +408,7 @@ def test_torchrun_training_logs_the_damaged_shard(shards: Path, tmp_path: Path) 
     (shard_line,) = [line for line in lines if line.startswith(f"shard {path}:")]
     assert "2 samples read, its manifest says 5: 3 lost" in shard_line
     (sample_line,) = [line for line in lines if line.startswith(f"{path} sample {keys[1]!r}:")]
-    assert "needs a json and a jpg or png entry" in sample_line
+    assert "needs a json and a jpg/png/webp entry" in sample_line
     assert run_metric(run_dir, summary, "data/lost_samples") == [3.0]
     assert run_metric(run_dir, summary, "data/skipped_samples") == [1.0]
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")

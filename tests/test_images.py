@@ -198,7 +198,7 @@ def test_the_featurizer_reads_an_image_header_once(tmp_path: Path,
     with pytest.raises(BadImage) as refused:
         load_image(tmp_path / "a.gif")
     assert (refused.value.reason, str(refused.value)) == (
-        "unsupported_format", f"{tmp_path / 'a.gif'} is GIF, not JPEG or PNG")
+        "unsupported_format", f"{tmp_path / 'a.gif'} is GIF, not JPEG, PNG or WebP")
     assert len(opened) == 2
 
 

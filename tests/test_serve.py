@@ -200,9 +200,9 @@ def test_a_bad_query_gets_one_clear_line(url: str, path: str, params: dict, stat
     (b"this is not an image", "image/png", 400,
      "unusable image: the uploaded file is not an image file PIL can identify"),
     (b"GIF89a" + bytes(30), "image/gif", 400, "unusable image: the uploaded file "),
-    ("gif", "image/gif", 400, "the uploaded file is GIF, not JPEG or PNG"),
+    ("gif", "image/gif", 400, "the uploaded file is GIF, not JPEG, PNG or WebP"),
     (b"", "image/png", 400, "the upload is empty"),
-    (b"\x89PNG", "", 415, "with Content-Type image/jpeg or image/png (got none)"),
+    (b"\x89PNG", "", 415, "with Content-Type image/jpeg, image/png or image/webp (got none)"),
     (b"\x89PNG", "text/plain", 415, "(got 'text/plain')"),
     (b"x" * (UPLOAD_LIMIT + 1), "image/png", 413, "over the limit of 0.0625 MiB"),
 ], ids=["not-an-image", "truncated-gif", "gif", "empty", "no-type", "text", "over-limit"])

@@ -4,7 +4,7 @@
 nothing is pickled (the weights load from safetensors, their checksums verified).
 
 `predict` takes a DataFrame whose rows each hold a `sentence` (text) or an `image` (the bytes of
-a JPEG or PNG file, base64-encoded) and answers one row per input row:
+a JPEG, PNG or WebP file, base64-encoded) and answers one row per input row:
 - without params: `fragments`, the row's fragment vectors [n][d] (a whole-sentence encoder's
   sentence: its one row); `mean`, their mean [d] (zeros without fragments); `boxes`, an image's
   fragment boxes [n][4] (x1, y1, x2, y2 in the image's pixels; null for a sentence);
@@ -151,7 +151,7 @@ def _query(number: int, row: dict[str, Any]) -> tuple[str, Any]:
     if len(given) != 1:
         raise MlflowException.invalid_parameter_value(
             f"row {number} holds {sorted(given) or 'neither'}: give each row a sentence or an "
-            "image (base64 of a JPEG or PNG file)")
+            "image (base64 of a JPEG, PNG or WebP file)")
     kind, value = next(iter(given.items()))
     if kind == "image":
         try:

@@ -189,7 +189,7 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
         if not kind.startswith("image/"):
             got = f"got {kind!r}" if kind else "got none"
             raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
-                                     f"image/jpeg or image/png ({got})")
+                                     f"image/jpeg, image/png or image/webp ({got})")
         too_big = HTTPException(413, f"the upload is over the limit of "
                                      f"{max_upload_bytes / MIB:g} MiB: send a smaller image")
         declared = request.headers.get("content-length", "")
@@ -207,7 +207,8 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
     @app.post("/api/sentences", summary="Uploaded image -> best sentences",
               responses=_errors(400, 413, 415, 422),
               description="The k sentences of the index that best describe a new image: POST "
-                          "the JPEG or PNG file's bytes as the body with Content-Type image/*, "
+                          "the JPEG, PNG or WebP file's bytes as the body with Content-Type "
+                          "image/*, "
                           f"at most {max_upload_bytes / MIB:g} MiB (--max-upload-mb) and "
                           f"{index.embedder.max_image_pixels} pixels (--max-image-pixels).",
               openapi_extra={"requestBody": {"required": True, "content": {
