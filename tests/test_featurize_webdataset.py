@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,21 @@ def test_an_input_cut_midway_is_read_again_from_its_start(tmp_path: Path,
         f"defrag featurize webdataset: error: 1 of the task's 2 input shards failed, e.g. cannot "
         f"read {http.url}/00001.tar (curl exit 22, HTTP 404 Not Found); run the task again")
     assert (tmp_path / "gone/parts/000000.json").is_file()  # the other shard was done
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_are_the_tasks(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_img2dataset(tmp_path / "in", count=9, per_shard=3, image_size=64)
+    shards = str(tmp_path / "in/{00000..00002}.tar")
+    featurize("webdataset", "--shards", shards, "--out", tmp_path / "one", *FLAGS, capsys=capsys)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+         "featurizer", "webdataset", "--shards", shards, "--out", str(tmp_path / "ranks"),
+         *FLAGS], capture_output=True, text=True, cwd=ROOT, env={**os.environ,
+                                                                 "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "task 0 of 2: 2 of 3 input shards" in done.stdout
+    assert "task 1 of 2: 1 of 3 input shards" in done.stdout
+    featurize("merge", "--out", tmp_path / "ranks", capsys=capsys)
+    for name in ("train/shard-000000.tar", "train/shard-000002.tar", "vocab.json"):
+        assert (tmp_path / "ranks" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
