@@ -103,15 +103,14 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
              "write with %d worker(s) into %s", task.index, task.count, len(mine), len(units),
              len(mine) - len(todo), len(todo), settings.workers, where.location)
     with tqdm(unit="img", desc=f"featurize task {task.index}/{task.count}") as bar:
-        results = in_workers(featurize_unit, todo, settings, parser, box_source, bar)
-    failed = [result["failed"] for result in results if "failed" in result]
+        parts = in_workers(featurize_unit, todo, settings, parser, box_source, bar)
+    failed = [part["failed"] for part in parts if "failed" in part]
     if failed:
         for line in failed:
             log.error("%s", line)
         raise ShardError(f"{len(failed)} of the task's {len(todo)} input shards failed, e.g. "
                          f"{failed[0]}; run the task again once they can be read: it redoes "
                          f"only what it has not finished")
-    parts = results
     problems = [Problem.from_json(p) for part in parts for p in part["skipped"]]
     log_problems(problems, "while writing shards")
     done = {"task": task.index, "tasks": task.count, "units": len(units), "mine": len(mine),
