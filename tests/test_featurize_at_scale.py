@@ -146,19 +146,15 @@ def test_a_slurm_array_into_s3_writes_what_one_process_does(slurm, inputs: Path,
 
 
 def train_from(s3: S3, tmp_path: Path) -> dict[str, list[float]]:
-    """One epoch of tiny_config from the bucket (shards, manifest and vocabulary through `pipe:aws
-    s3 cp`) in one process; its MLflow metrics' histories."""
-    def aws(name: str) -> str:
-        return f"pipe:aws s3 cp s3://{BUCKET}/{PREFIX}/{name} -"
-
+    """One epoch of tiny_config from the bucket (`data.shards=s3://BUCKET/PREFIX`: manifest,
+    vocabulary and shards read with boto3) in one process; its MLflow metrics' histories."""
     run_dir = tmp_path / "run"
     env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     training = subprocess.run(
         [sys.executable, "-m", "trainer.main", "--config",
-         str(tiny_config(tmp_path, aws("train/shard-{000000..000002}.tar"))),
-         f"data.val_shards={aws('val/shard-000003.tar')}", f"data.manifest={aws('manifest.json')}",
-         f"data.vocab={aws('vocab.json')}", "optim.batch_size=6", "optim.epochs=1",
+         str(tiny_config(tmp_path, f"s3://{BUCKET}/{PREFIX}")), "data.val_split=val",
+         "optim.batch_size=6", "optim.epochs=1",
          "optim.frozen_cnn_epochs=1", "optim.anneal_last_epochs=0", "run.log_every_steps=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]

@@ -36,7 +36,7 @@ from tests.test_data import batch_pairs, make_config
 from tests.test_train_e2e import ROOT, final_weights, finish, tiny_config, torchrun
 from trainer.batch import Batch
 from trainer.data.eval_set import load_eval_set
-from trainer.data.shardset import load_vocabulary
+from trainer.data.shardset import load_vocabulary, vocab_url
 from trainer.data.train_loader import TrainLoader
 
 TRAIN = [f"/train/shard-{i:06d}.tar" for i in range(8)]  # the `shards` fixture's, as served
@@ -228,6 +228,14 @@ def test_an_s3_folder_gives_the_local_batches(shards: Path, vocab: Vocabulary,
     message = str(failure.value)
     assert "s3://flickr/f8k/train/shard-000006.tar after 2 attempts" in message, message
     assert "S3 NoSuchKey, HTTP 404 Not Found" in message, message
+
+
+def test_the_vocabulary_beside_a_manifest_read_by_a_command() -> None:
+    manifest = "pipe:aws s3 cp s3://bucket/f8k/manifest.json -"
+    assert vocab_url(None, manifest) == "pipe:aws s3 cp s3://bucket/f8k/vocab.json -"
+    assert vocab_url(None, manifest, "v.json") == "v.json"
+    with pytest.raises(ValueError, match="give the vocabulary's too"):
+        vocab_url(None, "pipe:curl -s https://host/set-description")
 
 
 # ---------------------------------------------------------------------------------------------

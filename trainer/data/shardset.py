@@ -215,10 +215,17 @@ def _counts(entry: dict, chosen: list[dict], where: str, spec: str) -> tuple[int
 
 
 def vocab_url(spec: str | None, manifest: str | None = None, vocab: str | None = None) -> str:
-    """The vocabulary of a set: given, else beside its manifest."""
+    """The vocabulary of a set: given, else beside its manifest (in a `pipe:` command that reads
+    the manifest, the same command with the file's name changed)."""
     if vocab:
         return vocab
-    return join_url(parent(manifest_url(spec, manifest)), VOCAB)
+    where = manifest_url(spec, manifest)
+    if where.startswith("pipe:"):
+        if where.count(MANIFEST) != 1:
+            raise ValueError(f"data.manifest {redact(where)!r} is a command that does not name "
+                             f"{MANIFEST} once: give the vocabulary's too (data.vocab, or --vocab)")
+        return where.replace(MANIFEST, VOCAB)
+    return join_url(parent(where), VOCAB)
 
 
 
