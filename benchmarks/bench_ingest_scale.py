@@ -92,8 +92,8 @@ def featurize(shards: Path, count: int, out: Path, tasks: int) -> dict:
     images = sum(split["images"] for split in manifest["splits"].values())
     if images != count:
         sys.exit(f"the {count}-image run's manifest counts {images} images")
+    parts = [json.loads(path.read_text()) for path in (out / "set" / "parts").glob("0*.json")]
     for index, result in enumerate(results):
-        parts = [json.loads(path.read_text()) for path in (out / "set" / "parts").glob("0*.json")]
         result["images"] = sum(shard["samples"] for part in parts if part["unit"] % tasks == index
                                for shard in part["shards"])
         result["images_per_s"] = result["images"] / result["wall_s"]
