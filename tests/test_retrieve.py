@@ -524,7 +524,7 @@ def test_errors_are_clear(world: World, images: Path, tmp_path: Path,
     with pytest.raises(SystemExit, match="nowhere: no such model folder"):
         retrieve.main(["--model", str(tmp_path / "nowhere"), "--images", str(images)])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match=r"empty: no \.jpg, \.jpeg, \.png image in it"):
+    with pytest.raises(SystemExit, match=r"empty: no \.jpg, \.jpeg, \.png, \.webp image in it"):
         retrieve.main([*model, "--images", str(tmp_path / "empty")])
     with pytest.raises(SystemExit, match="--query ranks images: also pass --images"):
         retrieve.main([*model, "--sentences", str(world.sentences), "--query", "a dog"])
