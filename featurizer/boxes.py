@@ -97,6 +97,13 @@ class FullFrameSource(BoxSource):
     def __init__(self) -> None:
         super().__init__(max_boxes=0)
 
+    def __call__(self, image: Image.Image,
+                 given: list[list[float]] | None = None) -> tuple[list[list[float]], list[float]]:
+        """Row 0 alone, as `select_boxes` gives it, without its tensor work (a tenth of a
+        millisecond an image: a fifth of the featurizer's time on small images)."""
+        width, height = image.size
+        return [[0.0, 0.0, float(width), float(height)]], [1.0]
+
     def candidates(self, image: Image.Image,
                    given: list[list[float]] | None) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(0, 4), torch.zeros(0)

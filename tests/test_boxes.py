@@ -11,7 +11,7 @@ import torchvision
 from PIL import Image, ImageDraw
 from torchvision.ops import box_iou
 
-from featurizer.boxes import make_box_source
+from featurizer.boxes import BoxSource, make_box_source
 
 DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"  # the smallest Faster R-CNN: fast on CPU
 
@@ -104,6 +104,7 @@ def test_fullframe_is_the_whole_image_only() -> None:
     image = _scene(200, 100)
     source = make_box_source("fullframe")
     assert source(image, [[1, 2, 30, 40]]) == ([[0.0, 0.0, 200.0, 100.0]], [1.0])
+    assert source(image) == BoxSource.__call__(source, image)  # its shortcut: select_boxes' rows
     assert source.describe()["name"] == "fullframe"
 
 
