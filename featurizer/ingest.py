@@ -53,7 +53,7 @@ from featurizer.records import Caption, ImageRecord, Problem
 from featurizer.shards import sample_of, summary, usable_captions
 
 log = logging.getLogger(__name__)
-CHUNK = 64  # samples parsed together; their images are decoded one at a time
+CHUNK = 256  # samples parsed together (the parser's batch); their images decoded one at a time
 PLAN = "parts/plan.json"
 TIMEOUT = 60.0  # seconds an input read may stall
 RETRIES = 3  # reads of an input shard that fails midway, from its start
