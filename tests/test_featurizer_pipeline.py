@@ -409,3 +409,16 @@ def test_cli_refuses_images_outside_the_folder_and_keeps_one_stem_twice(
     assert main(["jsonl", "--jsonl", str(jsonl), "--allow-outside-images", *flags]) == 0
     manifest = json.loads((tmp_path / "out/manifest.json").read_text())
     assert manifest["splits"]["train"]["images"] == 4
+
+
+def test_each_source_keeps_its_own_defaults() -> None:
+    """synthetic's defaults (spaCy, given boxes) and webdataset's (one shard per input shard)
+    are theirs alone: argparse shares a parent parser's flags between subcommands."""
+    from featurizer.command import build_parser
+
+    parser = build_parser()
+    jsonl = parser.parse_args(["jsonl", "--jsonl", "x.jsonl", "--out", "o"])
+    assert (jsonl.parser, jsonl.boxes, jsonl.shard_size) == ("stanza", "selective_search", 1000)
+    synthetic = parser.parse_args(["synthetic", "--out", "o"])
+    assert (synthetic.parser, synthetic.boxes) == ("spacy", "given")
+    assert parser.parse_args(["webdataset", "--shards", "x", "--out", "o"]).shard_size is None
