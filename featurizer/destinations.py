@@ -85,8 +85,11 @@ class Folder:
 
     def put(self, name: str, file: Path) -> None:
         target = self.root / _checked(name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(file, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+        except OSError as err:
+            raise ShardError(f"cannot write {name} into {self.location} ({err})") from err
 
     def read(self, name: str) -> bytes | None:
         try:

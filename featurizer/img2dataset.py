@@ -3,16 +3,18 @@
 img2dataset writes one sample per downloaded image, keyed `{shard:05d}{index:04d}` (any key
 webdataset groups by is read): `{key}.jpg` (or `.jpeg`, `.png`, `.webp`), `{key}.txt` (the
 caption) and `{key}.json` (url, width, height, status, ..., and `caption` when it had one).
-A sample's captions are its `txt`, else the json's `caption`, or its `captions` list (several
-captions per image, as Flickr and COCO have); its split is the json's `split`, else
+A sample's captions are its `txt`, else the json's `captions` list (several captions per image,
+as Flickr and COCO have), else its `caption`; its split is the json's `split`, else
 `--default-split`. A shard is opened by `defrag.urls.open_url`, the trainer's opener: a path,
 brace-expanded list entry, `http(s)://` (curl, with a timeout) or `pipe:` command.
 
 Each sample that cannot be used is a `Problem` named by shard URL (credentials masked) and key:
 no image entry (`missing_image`), no caption (`no_captions`), a caption that is not UTF-8
 (`not_utf8`), a json that does not parse or a split that cannot name a folder (`malformed`), a key
-already read from this shard (`duplicate_image`); a shard that ends early (a damaged tar) is one
-`malformed` problem and the samples before it are kept. Images are decoded later, one at a time,
+already read from this shard (`duplicate_image`), a file over MAX_MEMBER_BYTES (`malformed`,
+never read into memory); a shard that ends early or has a damaged member header is one
+`malformed` problem and the samples before it are kept (stream-mode tarfile would take such a
+header for the end of the archive: `_StrictTarInfo`). Images are decoded later, one at a time,
 by the unit that writes them (featurizer/ingest.py).
 """
 
@@ -24,8 +26,9 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from webdataset.tariterators import group_by_keys, tar_file_iterator
+from webdataset.tariterators import group_by_keys
 
+from defrag.shard_format import MANIFEST, VOCAB
 from defrag.urls import open_url, redact
 from featurizer.records import (
     DUPLICATE_IMAGE,
@@ -39,8 +42,19 @@ from featurizer.records import (
 )
 
 IMAGE_ENTRIES = ("jpg", "jpeg", "png", "webp")  # the first one a sample has is its image
-SPLIT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a split from a sample names one output folder
+# A split from a sample names one output folder: a plain name, not "."/"..", nor a file of the set.
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+RESERVED = {MANIFEST, VOCAB, "parts"}
+MAX_MEMBER_BYTES = 256 << 20  # a tar member larger than this is skipped, never read into memory
 _KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class UnreadableInput(OSError):
+    """The input stream itself failed (unreachable, refused, cut): `cause` says how."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 @dataclass
@@ -57,41 +71,85 @@ class Sample:
 
 def read_samples(url: str, default_split: str, timeout: float) -> Iterator[Sample | Problem]:
     """The samples of the shard at `url`, in tar order, and a Problem for each one left out.
-    OSError when the stream itself fails (unreachable, refused, cut): the caller retries."""
+    UnreadableInput when the stream itself fails: the caller retries."""
     where = redact(url)
     seen: set[str] = set()
-    repeated: list[Exception] = []  # a second file of one entry name in a sample: left out
+    problems: list[Problem] = []  # met while reading members: given before the next sample
 
-    def note(err: Exception) -> bool:
+    def repeated(err: Exception) -> bool:
         if not (isinstance(err, ValueError) and "duplicate file name" in str(err)):
             raise err
-        repeated.append(err)
+        problems.append(Problem(Origin(where), MALFORMED,
+                                f"{_shown(str(err.args[0]))}: the later file left out"))
         return True
 
-    with open_url(url, timeout) as stream:
-        members = ({**member, "__url__": where} for member in tar_file_iterator(stream))
-        try:
-            for entries in group_by_keys(members, handler=note):
-                while repeated:
-                    yield Problem(Origin(where), MALFORMED,
-                                  f"{repeated.pop(0).args[0]}: the later file left out")
+    try:
+        with open_url(url, timeout) as stream:
+            for entries in group_by_keys(_members(stream, where, problems), handler=repeated):
+                yield from problems
+                problems.clear()
                 sample = _sample(entries, where, default_split)
                 if isinstance(sample, Sample):
                     if sample.key in seen:
                         sample = Problem(sample.origin, DUPLICATE_IMAGE,
-                                         f"key {entries['__key__']} already read from {where}",
+                                         f"key {sample.origin.item} already read from {where}",
                                          sample.split)
                     else:
                         seen.add(sample.key)
                 yield sample
-        except (tarfile.TarError, EOFError) as err:
-            yield Problem(Origin(where), MALFORMED,
-                          f"the shard ends early or is damaged after {len(seen)} samples "
-                          f"({type(err).__name__}: {err}); the samples before kept")
+            yield from problems
+    except OSError as err:
+        raise UnreadableInput(err) from err
+
+
+class _StrictTarInfo(tarfile.TarInfo):
+    """A member header that is cut short, empty or fails its checksum is damage (ReadError): in
+    stream mode tarfile takes it for the end of the archive, which ends with a zero block."""
+
+    @classmethod
+    def fromtarfile(cls, archive: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(archive)
+        except tarfile.EOFHeaderError:
+            raise
+        except tarfile.HeaderError as err:
+            raise tarfile.ReadError(f"bad member header at byte {archive.offset} ({err})"
+                                    ) from None
+
+
+def _members(stream, where: str, problems: list[Problem]) -> Iterator[dict]:
+    """The regular files of a tar stream as webdataset's grouping takes them; a member over
+    MAX_MEMBER_BYTES is a problem, skipped unread; damage ends the stream with a problem (the
+    files before it still grouped into samples)."""
+    files = 0
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*", tarinfo=_StrictTarInfo) as archive:
+            for member in archive:
+                if member.isreg() and not member.name.startswith("__"):
+                    if member.size > MAX_MEMBER_BYTES:
+                        problems.append(Problem(
+                            Origin(where, item=_shown(member.name)), MALFORMED,
+                            f"{member.size} bytes, over the bound of {MAX_MEMBER_BYTES} for one "
+                            f"file; left out"))
+                    else:
+                        yield {"fname": member.name, "data": archive.extractfile(member).read(),
+                               "__url__": where}
+                        files += 1
+                archive.members = []  # a stream of millions of members keeps none of them
+    except (tarfile.TarError, EOFError) as err:
+        problems.append(Problem(Origin(where), MALFORMED,
+                                f"the shard ends early or is damaged after {files} files "
+                                f"({type(err).__name__}: {redact(str(err))}); the samples "
+                                f"before kept"))
+
+
+def _shown(text: str) -> str:
+    """`text` (a tar member's name, bytes that were not UTF-8 kept as surrogates) as UTF-8."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _sample(entries: dict, where: str, default_split: str) -> Sample | Problem:
-    raw_key = entries["__key__"]
+    raw_key = _shown(entries["__key__"])
     key = raw_key if _KEY.fullmatch(raw_key) else image_key(raw_key)
     origin = Origin(where, item=raw_key)
     meta: dict = {}
@@ -103,9 +161,10 @@ def _sample(entries: dict, where: str, default_split: str) -> Sample | Problem:
         except ValueError as err:
             return Problem(origin, MALFORMED, f"its json does not parse ({err}); sample skipped")
     split = meta.get("split", default_split)
-    if not isinstance(split, str) or not SPLIT_NAME.fullmatch(split):
-        return Problem(origin, MALFORMED, f"split {split!r} cannot name a folder (only "
-                                          f"[A-Za-z0-9_.-]); sample skipped")
+    if not isinstance(split, str) or not SPLIT_NAME.fullmatch(split) or split in RESERVED:
+        return Problem(origin, MALFORMED, f"split {split!r} cannot name a folder of the set (a "
+                                          f"word of [A-Za-z0-9_.-], not starting with '.', "
+                                          f"not {', '.join(sorted(RESERVED))}); sample skipped")
     image = next((entries[name] for name in IMAGE_ENTRIES if name in entries), None)
     if image is None:
         return Problem(origin, MISSING_IMAGE, f"no image entry ({', '.join(IMAGE_ENTRIES)}); "

@@ -39,7 +39,7 @@ from defrag.urls import HttpError, ShardError, describe_error, redact
 from featurizer.boxes import make_box_source
 from featurizer.destinations import Destination, destination, write_text
 from featurizer.images import BadImage, decode_image
-from featurizer.img2dataset import read_samples
+from featurizer.img2dataset import UnreadableInput, read_samples
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import (
     Settings,
@@ -170,11 +170,12 @@ def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
         scratch = where.scratch()
         try:
             return _write_unit(unit, parser, boxes, progress, where, scratch)
-        except OSError as err:
-            if (isinstance(err, HttpError) and err.permanent) or attempt == RETRIES:
-                return {"failed": f"cannot read {redact(unit.url)} ({describe_error(err)})"}
+        except UnreadableInput as err:
+            cause = err.cause
+            if (isinstance(cause, HttpError) and cause.permanent) or attempt == RETRIES:
+                return {"failed": f"cannot read {redact(unit.url)} ({describe_error(cause)})"}
             log.warning("reading %s failed (%s); again from its start", redact(unit.url),
-                        describe_error(err))
+                        describe_error(cause))
             time.sleep(min(2.0 ** attempt, 10.0))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

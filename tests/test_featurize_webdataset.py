@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,13 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+import featurizer.img2dataset as img2dataset
 from defrag.urls import MASK
 from defrag.vocab import Vocabulary
 from featurizer.command import main
 from featurizer.destinations import _turned_around
+from featurizer.img2dataset import read_samples
+from featurizer.records import Problem
 from featurizer.synthetic import write_img2dataset
 from tests.servers import serve_folder
 from trainer.data.reader import SampleDecoder
@@ -246,3 +250,38 @@ def test_torchrun_ranks_are_the_tasks(tmp_path: Path, capsys: pytest.CaptureFixt
     featurize("merge", "--out", tmp_path / "ranks", capsys=capsys)
     for name in ("train/shard-000000.tar", "train/shard-000002.tar", "vocab.json"):
         assert (tmp_path / "ranks" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+def test_damaged_tars_and_hostile_names_are_problems_not_losses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    write_img2dataset(tmp_path / "in", count=4, per_shard=4, image_size=64)
+    data = (tmp_path / "in/00000.tar").read_bytes()
+    with tarfile.open(tmp_path / "in/00000.tar") as archive:
+        starts = [info.offset for info in archive]  # 3 members (jpg, json, txt) a sample
+    flipped = bytearray(data)
+    flipped[starts[3] + 5] ^= 0xFF  # sample 1's first header fails its checksum
+    damaged = {"flipped": bytes(flipped), "cut": data[:starts[6]]}  # cut between two members
+    for name, content in damaged.items():
+        (tmp_path / f"{name}.tar").write_bytes(content)
+        read = list(read_samples(str(tmp_path / f"{name}.tar"), "train", 10))
+        kept = [item.key for item in read if not isinstance(item, Problem)]
+        problems = [item for item in read if isinstance(item, Problem)]
+        assert kept == ["000000000", "000000001"][:1 if name == "flipped" else 2], name
+        assert [p.reason for p in problems] == ["malformed"], (name, problems)
+        assert f"the shard ends early or is damaged after {3 * len(kept)} files" in \
+            problems[0].detail
+
+    hostile = [{"__key__": f"00{i}", "jpg": jpeg((9, 9, 9)), "txt": b"A dog .",
+                "json": meta(split=split)}
+               for i, split in enumerate(["..", ".", "vocab.json", "parts", ".hidden"])]
+    hostile.append({"__key__": "caf\udce9", "txt": b"no image"})  # a name that is not UTF-8
+    hostile.append({"__key__": "big", "jpg": bytes(2000), "txt": b"A dog ."})
+    write_tar(tmp_path / "hostile.tar", hostile)
+    monkeypatch.setattr(img2dataset, "MAX_MEMBER_BYTES", 1000)
+    read = list(read_samples(str(tmp_path / "hostile.tar"), "train", 10))
+    assert all(isinstance(item, Problem) for item in read)
+    reasons = sorted((item.origin.item, item.reason) for item in read)
+    assert reasons == [("000", "malformed"), ("001", "malformed"), ("002", "malformed"),
+                       ("003", "malformed"), ("004", "malformed"), ("big", "missing_image"),
+                       ("big.jpg", "malformed"), ("caf\\xe9", "missing_image")], reasons
+    assert json.dumps([item.to_json() for item in read]).encode("utf-8")
