@@ -199,8 +199,8 @@ def s3_client(timeout: float | None = None) -> Any:
     import boto3
     from botocore.config import Config
 
-    config = Config() if timeout is None else Config(connect_timeout=timeout,
-                                                     read_timeout=timeout)
+    config = Config() if timeout is None else Config(  # our retries, not botocore's too
+        connect_timeout=timeout, read_timeout=timeout, retries={"total_max_attempts": 1})
     return boto3.client("s3", config=config)
 
 

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         "merge", help="after every task of `webdataset`: write the vocabulary and manifest")
     merge.add_argument("--out", required=True, help="the tasks' --out")
     merge.add_argument("--out-read", metavar="pipe:COMMAND", help="as for `webdataset`")
+    merge.add_argument("--vocab", help="the vocabulary to reuse, instead of the tasks' --vocab "
+                                       "(needed when that URL held a credential)")
+    merge.add_argument("--word-vectors", help="instead of the tasks' --word-vectors")
 
     for command in (karpathy, jsonl):
         command.add_argument("--split-map", type=_pair, action="append", default=[],
@@ -232,7 +235,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         print(f"{count} word vectors of size {args.dim} written to {args.out}")
         return
     if args.source == "merge":
-        _summarize(merge(args.out, args.out_read), args.out)
+        _summarize(merge(args.out, args.out_read, args.vocab, args.word_vectors), args.out)
         return
     if args.source == "webdataset":
         if args.limit is not None or args.splits:

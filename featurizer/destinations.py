@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +29,7 @@ from defrag.files import TEMPORARY
 from defrag.urls import ShardError, redact, s3_client
 
 PLACEHOLDER = "{shard}"
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")  # what a put file may be named
 
 
@@ -40,7 +40,7 @@ class Destination(Protocol):
     location: str  # for messages, credentials masked
     sizes_known: bool  # whether `size` can tell (a command cannot)
 
-    def scratch(self) -> Path: ...
+    def scratch(self, label: str = "") -> Path: ...
 
     def put(self, name: str, file: Path) -> None: ...
 
@@ -79,9 +79,14 @@ class Folder:
         self.location = str(root)
         self.sizes_known = True
 
-    def scratch(self) -> Path:
+    def scratch(self, label: str = "") -> Path:
+        """A new folder beside the set (the same file system: puts are renames); a `label`'s
+        earlier folders, left by a killed task, are removed first."""
         self.root.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=TEMPORARY, dir=self.root))  # same file system
+        if label:
+            for leftover in self.root.glob(f"{TEMPORARY}{label}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"{TEMPORARY}{label}-", dir=self.root))
 
     def put(self, name: str, file: Path) -> None:
         target = self.root / _checked(name)
@@ -119,8 +124,8 @@ class Bucket:
     def key(self, name: str) -> str:
         return f"{self.prefix}/{_checked(name)}" if self.prefix else _checked(name)
 
-    def scratch(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix="defrag-featurize-"))
+    def scratch(self, label: str = "") -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"defrag-featurize-{label}-"))
 
     def put(self, name: str, file: Path) -> None:
         try:
@@ -136,8 +141,8 @@ class Bucket:
         except self.client.exceptions.NoSuchKey:
             return None
         except Exception as err:
-            raise ShardError(f"cannot read {name} from {self.location} "
-                             f"({type(err).__name__}: {redact(str(err))})") from err
+            raise ShardError(f"cannot read {name} from {self.location} ({type(err).__name__}: "
+                             f"{redact(str(err))}){_forbidden(err)}") from err
 
     def size(self, name: str) -> int | None:
         from botocore.exceptions import ClientError
@@ -148,7 +153,15 @@ class Bucket:
             if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise ShardError(f"cannot look up {name} in {self.location} ({redact(str(err))})"
-                             ) from err
+                             f"{_forbidden(err)}") from err
+
+
+def _forbidden(err: Exception) -> str:
+    """S3 answers 403, not 404, for a missing object to credentials without s3:ListBucket."""
+    if "403" not in str(err) and "AccessDenied" not in str(err):
+        return ""
+    return ("; for a file not written yet this means the credentials lack s3:ListBucket on the "
+            "bucket: grant it (tasks look up what is finished)")
 
 
 class Commands:
@@ -165,9 +178,10 @@ class Commands:
             raise ValueError(f"--out-read {redact(read)}: it needs {PLACEHOLDER} too")
         self.location = redact(write)
         self.sizes_known = False
+        self.said: str | None = None  # how the last read that failed ended
 
-    def scratch(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix="defrag-featurize-"))
+    def scratch(self, label: str = "") -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"defrag-featurize-{label}-"))
 
     def put(self, name: str, file: Path) -> None:
         command = self.write.replace(PLACEHOLDER, _checked(name))
@@ -186,23 +200,28 @@ class Commands:
         command = self.read_command.replace(PLACEHOLDER, _checked(name))
         done = subprocess.run(command, shell=True, stdin=subprocess.DEVNULL,
                               capture_output=True)  # its complaint about a missing file unshown
-        return None if done.returncode else done.stdout
+        if done.returncode:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            self.said = redact(f"`{command}` exited {done.returncode}"
+                               f"{': ' + said[-1] if said else ''}")
+            return None
+        return done.stdout
 
     def size(self, name: str) -> int | None:
         return None
 
 
 def _turned_around(write: str) -> str:
-    """`... cp - DEST` -> `... cp DEST -`: the read of a copy command's write."""
-    words = shlex.split(write)
-    for at in range(len(words) - 2):
-        if words[at] == "cp" and words[at + 1] == "-" and PLACEHOLDER in words[at + 2]:
-            turned = words[:at + 1] + [words[at + 2], "-"] + words[at + 3:]
-            return shlex.join(turned).replace(shlex.quote(words[at + 2]), words[at + 2])
-    raise ValueError(f"pipe:{redact(write)}: give the command that reads a file back, "
-                     f"--out-read 'pipe:COMMAND {PLACEHOLDER}' (e.g. pipe:gsutil cat "
-                     f"gs://bucket/prefix/{PLACEHOLDER}); only `cp - DEST` commands are "
-                     f"turned around by themselves")
+    """`... cp - DEST ...` -> `... cp DEST - ...`: the read of a copy command's write, the rest
+    of the command as it was (its quotes, variables and pipes)."""
+    turned, swaps = re.subn(r"(?<!\S)cp(\s+)-(\s+)(\S*\{shard\}\S*)", r"cp\1\3\2-", write,
+                            count=1)
+    if not swaps:
+        raise ValueError(f"pipe:{redact(write)}: give the command that reads a file back, "
+                         f"--out-read 'pipe:COMMAND {PLACEHOLDER}' (e.g. pipe:gsutil cat "
+                         f"gs://bucket/prefix/{PLACEHOLDER}); only `cp - DEST` commands are "
+                         f"turned around by themselves")
+    return turned
 
 
 def write_text(where: Destination, name: str, text: str) -> None:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from defrag.shard_format import FORMAT_VERSION
 from defrag.tasks import Task
-from defrag.urls import HttpError, ShardError, describe_error, redact
+from defrag.urls import MASK, HttpError, ShardError, describe_error, redact
 from featurizer.boxes import make_box_source
 from featurizer.destinations import Destination, destination, write_text
 from featurizer.images import BadImage, decode_image
@@ -43,16 +43,19 @@ from featurizer.img2dataset import UnreadableInput, read_samples
 from featurizer.parsing import Parser, make_parser
 from featurizer.pipeline import (
     Settings,
+    add_counts,
     checked_vocabulary,
     finish,
     in_workers,
     jsonable,
     log_problems,
+    summed_counts,
 )
 from featurizer.records import Caption, ImageRecord, Problem
 from featurizer.shards import sample_of, summary, usable_captions
 
 log = logging.getLogger(__name__)
+MANIFEST_FIELDS = ("split", "file", "samples", "captions", "bytes", "sha256")  # of a shard
 CHUNK = 256  # samples parsed together (the parser's batch); their images decoded one at a time
 PLAN = "parts/plan.json"
 TIMEOUT = 60.0  # seconds an input read may stall
@@ -96,6 +99,10 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
         "settings": redact(jsonable(vars(settings))), "command": redact(settings.command),
         "units": [{"input": unit.name, "fingerprint": unit.fingerprint} for unit in units],
     }, ensure_ascii=False, indent=1))
+    if _read_json(where, PLAN) is None:
+        raise ShardError(f"{PLAN} was written to {where.location} but cannot be read back"
+                         f"{_why(where)}: tasks could not skip finished work nor the merge read "
+                         f"the parts; fix the read (--out-read for a pipe: output)")
 
     mine = [unit for unit in units if task.owns(unit.index)]
     todo = [unit for unit in mine if not _finished(unit, where)]
@@ -115,10 +122,11 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
     log_problems(problems, "while writing shards")
     done = {"task": task.index, "tasks": task.count, "units": len(units), "mine": len(mine),
             "finished_before": len(mine) - len(todo), "written": len(todo),
-            "samples": sum(shard["samples"] for part in parts for shard in part["shards"]),
+            "samples": sum(part["samples"] for part in parts),
             "skipped": len(problems)}
     if task.count == 1:
-        done["manifest"] = merge(str(settings.out), out_read)
+        done["manifest"] = merge(str(settings.out), out_read, settings.vocab,
+                                 settings.word_vectors and str(settings.word_vectors))
     return done
 
 
@@ -162,14 +170,17 @@ def _finished(unit: Unit, where: Destination) -> bool:
 
 def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
                    progress: Callable[[int], object]) -> dict:
-    """Write the output shards and then the part of `unit`; returns the part, or {"failed": why}
-    (the other units go on). A read that fails midway is retried from the start, RETRIES
-    times."""
+    """Write the output shards and then the part of `unit`; returns its samples and skipped
+    inputs (not its counts: a task holds no more for 1,000 units than for one), or
+    {"failed": why} (the other units go on). A read that fails midway is retried from the
+    start, RETRIES times."""
     where = destination(unit.out, unit.out_read)
     for attempt in itertools.count():
-        scratch = where.scratch()
+        scratch = where.scratch(f"unit-{unit.index:06d}")
         try:
-            return _write_unit(unit, parser, boxes, progress, where, scratch)
+            part = _write_unit(unit, parser, boxes, progress, where, scratch)
+            return {"samples": sum(shard["samples"] for shard in part["shards"]),
+                    "skipped": part["skipped"]}
         except UnreadableInput as err:
             cause = err.cause
             if (isinstance(cause, HttpError) and cause.permanent) or attempt == RETRIES:
@@ -264,48 +275,62 @@ class _Output:
         return [sidecar]
 
 
-def merge(out: str, out_read: str | None = None) -> dict:
+def merge(out: str, out_read: str | None = None, vocab: str | None = None,
+          word_vectors: str | None = None) -> dict:
     """Put the vocabulary and the manifest of the set at `out` from its plan and every unit's
-    part; one line naming the unfinished input shards if any is."""
+    part; one line naming the unfinished input shards if any is. `vocab` / `word_vectors`
+    replace the tasks' (the plan keeps them with credentials masked). Holds the counts summed
+    per split, not every part's."""
     where = destination(out, out_read)
-    try:
-        plan = json.loads(where.read(PLAN) or b"null")
-    except ValueError as err:
-        raise ValueError(f"{where.location}: {PLAN} is damaged ({err}); run the tasks again") \
-            from err
+    plan = _read_json(where, PLAN)
     if not isinstance(plan, dict):
-        raise ValueError(f"{where.location} has no {PLAN}: run `featurize webdataset ... --out "
-                         f"{where.location}` (every task of it) before the merge")
-    parts, missing = [], []
+        raise ValueError(f"{where.location} has no {PLAN}{_why(where)}: run `featurize "
+                         f"webdataset ... --out {where.location}` (every task of it) before the "
+                         f"merge")
+    settings = Settings(**{**plan["settings"], "command": plan["command"]})
+    if vocab is not None or word_vectors is not None:
+        settings.vocab, settings.word_vectors = vocab, word_vectors
+    if MASK in (settings.vocab or ""):
+        raise ValueError(f"the tasks' --vocab {settings.vocab} held a credential, which the plan "
+                         f"keeps masked: give it to the merge again (--vocab)")
+    by_split: dict[str, list[dict]] = {}
+    totals: dict[str, dict] = {}
+    problems, missing = [], []
     for index, unit in enumerate(plan["units"]):
-        name = f"parts/{index:06d}.json"
-        try:
-            part = json.loads(where.read(name) or b"null")
-        except ValueError:
-            part = None
+        part = _read_json(where, f"parts/{index:06d}.json")
         if not isinstance(part, dict) or part.get("fingerprint") != unit["fingerprint"]:
             missing.append(f"{unit['input']} (unit {index})")
-        else:
-            parts.append(part)
+            continue
+        for shard in part["shards"]:
+            add_counts(totals.setdefault(shard["split"], summed_counts([])), shard)
+            by_split.setdefault(shard["split"], []).append(
+                {key: shard[key] for key in MANIFEST_FIELDS})
+        problems += [Problem.from_json(p) for p in part["skipped"]]
     if missing:
         raise ValueError(f"{len(missing)} of the {len(plan['units'])} input shards are not "
-                         f"finished in {where.location}: {', '.join(missing[:5])}"
+                         f"finished in {where.location}{_why(where)}: {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}; run the job's tasks again (each "
                          f"redoes only what it has not finished: unit u is task u % N's), then "
                          f"merge again")
-    settings = Settings(**{**plan["settings"], "command": plan["command"]})
-    by_split: dict[str, list[dict]] = {}
-    for part in parts:
-        for shard in part["shards"]:
-            by_split.setdefault(shard["split"], []).append(shard)
-    by_split = dict(sorted(by_split.items()))
     reused = checked_vocabulary(settings)
     if reused is None and settings.train_split not in by_split:
         raise ValueError(f"no {settings.train_split!r} samples to build the vocabulary from (the "
                          f"shards hold {sorted(by_split) or 'nothing'}): featurize with "
                          f"--default-split {settings.train_split} or --train-split NAME, or "
                          f"reuse a vocabulary with --vocab")
-    problems = [Problem.from_json(p) for part in parts for p in part["skipped"]]
-    return finish(settings, where, plan["parser"], plan["box_source"], reused, by_split,
-                  problems)
+    return finish(settings, where, plan["parser"], plan["box_source"], reused,
+                  dict(sorted(by_split.items())), totals, problems)
 
+
+def _read_json(where: Destination, name: str) -> Any:
+    """The JSON file `name` of the set, None when it is missing or damaged."""
+    try:
+        return json.loads(where.read(name) or b"null")
+    except ValueError:
+        return None
+
+
+def _why(where: Destination) -> str:
+    """What the last failed read-back command said, if any (a `pipe:` output)."""
+    said = getattr(where, "said", None)
+    return f" (reading it back: {said})" if said else ""

@@ -86,22 +86,25 @@ def featurize(source: Source, settings: Settings) -> dict:
     by_split_sidecars = {split: [sidecar for spec, sidecar in zip(specs, sidecars, strict=True)
                                  if spec.split == split] for split in by_split}
     return finish(settings, Folder(Path(settings.out)), parser.describe(),
-                  box_source.describe(), reused, by_split_sidecars, problems + shard_problems)
+                  box_source.describe(), reused, by_split_sidecars,
+                  {split: summed_counts(shards) for split, shards in by_split_sidecars.items()},
+                  problems + shard_problems)
 
 
 def finish(settings: Settings, where: Destination, parser: dict, box_source: dict,
            reused: Vocabulary | None, by_split: dict[str, list[dict]],
-           problems: list[Problem]) -> dict:
-    """Build the vocabulary from the training split's shard counts (or take `reused`), put
-    vocab.json and then manifest.json, the last file of a set; returns the manifest."""
-    train_counts = summed_counts(by_split.get(settings.train_split, []))
+           totals: dict[str, dict], problems: list[Problem]) -> dict:
+    """Build the vocabulary from the training split's counts (`totals`, `summed_counts` of
+    each split's shards) or take `reused`, put vocab.json and then manifest.json, the last file
+    of a set; returns the manifest."""
+    train_counts = totals.get(settings.train_split) or summed_counts([])
     vocab = reused if reused is not None else build_vocabulary(
         train_counts["relation_counts"], train_counts["word_counts"],
         min_fraction=settings.relation_min_fraction, min_count=settings.min_word_count,
         word_vectors=settings.word_vectors)
     write_text(where, VOCAB, vocab.to_json())
     manifest = build_manifest(settings, parser, box_source, vocab, reused is not None, by_split,
-                              train_counts, problems)
+                              totals, problems)
     write_text(where, MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
     return manifest
 
@@ -237,20 +240,26 @@ def summed_counts(sidecars: list[dict]) -> dict:
     totals: dict[str, Any] = {key: 0 for key in ("samples", "captions", "triplets", "tokens")}
     totals["relation_counts"], totals["word_counts"] = Counter(), Counter()
     for sidecar in sidecars:
-        for key, value in totals.items():
-            if isinstance(value, Counter):
-                value.update(sidecar[key])
-            else:
-                totals[key] += sidecar[key]
+        add_counts(totals, sidecar)
     return totals
 
 
+def add_counts(totals: dict, sidecar: dict) -> None:
+    """Add a shard's counts to `totals` (a `summed_counts` result)."""
+    for key, value in totals.items():
+        if isinstance(value, Counter):
+            value.update(sidecar[key])
+        else:
+            totals[key] += sidecar[key]
+
+
 def build_manifest(settings: Settings, parser: dict, box_source: dict, vocab: Vocabulary,
-              reused: bool, sidecars: dict[str, list[dict]], train_counts: dict,
-              problems: list[Problem]) -> dict:
+                   reused: bool, sidecars: dict[str, list[dict]], totals: dict[str, dict],
+                   problems: list[Problem]) -> dict:
+    train_counts = totals.get(settings.train_split) or summed_counts([])
     splits = {}
     for split, shards in sidecars.items():
-        counts = summed_counts(shards)
+        counts = totals[split]
         split_problems = Counter(p.reason for p in problems if p.split == split)
         splits[split] = {
             "images": counts["samples"], "captions": counts["captions"],

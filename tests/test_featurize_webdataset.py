@@ -189,6 +189,11 @@ def test_a_pipe_output_is_read_back_to_skip_and_merge(tmp_path: Path,
     assert json.loads((store / "manifest.json").read_text())["splits"]["train"]["images"] == 6
     assert "2 finished before, 0 written" in featurize(*argv, capsys=capsys)
     assert _turned_around("aws s3 cp - s3://b/p/{shard}") == "aws s3 cp s3://b/p/{shard} -"
+    assert _turned_around("aws s3 cp - 's3://b/p/{shard}' --endpoint-url $EP | cat") == (
+        "aws s3 cp 's3://b/p/{shard}' - --endpoint-url $EP | cat")  # quotes, variables, pipes
+    with pytest.raises(SystemExit, match=r"parts/plan.json was written to .* but cannot be read "
+                                         r"back \(reading it back: `false parts/plan.json` exited 1\)"):
+        main([*argv[:3], "--out", write, "--out-read", "pipe:false {shard}", *FLAGS])
     with pytest.raises(SystemExit, match="give the command that reads a file back"):
         main(["webdataset", "--shards", "x.tar", "--out", "pipe:tee {shard}", *FLAGS])
     with pytest.raises(SystemExit, match=r"needs \{shard\}"):
@@ -207,6 +212,26 @@ def test_secrets_of_the_output_command_stay_out_of_what_is_written(
     assert len(written) == 4 and all(secret.encode() not in data for data in written)
     assert MASK.encode() in (store / "manifest.json").read_bytes()
     assert secret not in printed + caplog.text
+
+
+def test_a_vocabulary_at_a_url_with_a_password_is_given_to_the_merge_again(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    write_img2dataset(tmp_path / "in", count=6, per_shard=3, image_size=64)
+    shards = str(tmp_path / "in/{00000..00001}.tar")
+    featurize("webdataset", "--shards", shards, "--out", tmp_path / "first", *FLAGS,
+              capsys=capsys)
+    leftover = tmp_path / "out/.tmp-unit-000001-killed"  # what a killed task left
+    leftover.mkdir(parents=True)
+    with serve_folder(tmp_path / "first", basic_auth="alice:pw") as http:
+        vocab = http.url.replace("://", "://alice:pw@") + "/vocab.json"
+        featurize("webdataset", "--shards", shards, "--out", tmp_path / "out", "--vocab", vocab,
+                  *FLAGS, capsys=capsys)  # one task: its merge has the vocabulary's password
+        assert not leftover.exists()
+        with pytest.raises(SystemExit, match=r"held a credential.*give it to the merge again"):
+            main(["merge", "--out", str(tmp_path / "out")])
+        featurize("merge", "--out", tmp_path / "out", "--vocab", vocab, capsys=capsys)
+    manifest = (tmp_path / "out/manifest.json").read_text()
+    assert "alice:***@" in manifest and "pw@" not in manifest
 
 
 @pytest.mark.slow
