@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 import tests.test_slurm as slurm_cluster
 from featurizer.synthetic import write_img2dataset
 from tests.servers import S3, s3_server, serve_folder
-from tests.test_slurm import ENDED, ROOT, job_field, tool, wait_for
+from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from tests.test_train_e2e import tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -92,19 +92,12 @@ def test_a_slurm_array_into_s3_writes_what_one_process_does(slurm, inputs: Path,
          "--out", str(local), *FLAGS], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = f"s3://{BUCKET}/{PREFIX}"
-    submitted = []
-
-    def sbatch(*argv: str) -> str:
-        job = subprocess.run([tool("sbatch"), "--parsable", *argv], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        submitted.append(job.split(";")[0])
-        return submitted[-1]
 
     def wait_until_ended(job: str, log: Path) -> None:
         wait_for(lambda: job_field(slurm, job, "JobState") in ENDED, 120, f"job {job}", log)
 
     try:
-        with serve_folder(inputs) as server:
+        with jobs(env) as sbatch, serve_folder(inputs) as server:
             shards = ["--shards", f"{server.url}/{INPUTS}", "--out", out, *FLAGS]
             array = sbatch("--array=0-1", f"--output={tmp_path}/task-%a.out", SCRIPT, *shards)
             merge = sbatch(f"--dependency=afterok:{array}", f"--output={tmp_path}/merge.out",
@@ -117,8 +110,6 @@ def test_a_slurm_array_into_s3_writes_what_one_process_does(slurm, inputs: Path,
             wait_until_ended(rerun, tmp_path / "rerun.out")
             served = list(server.log)
     finally:
-        for job in submitted:
-            subprocess.run([tool("scancel"), job], env=env, capture_output=True)
         output, _ = one_process.communicate(timeout=120)
     assert one_process.returncode == 0, output[-4000:]
 

@@ -191,8 +191,9 @@ def test_a_pipe_output_is_read_back_to_skip_and_merge(tmp_path: Path,
     assert _turned_around("aws s3 cp - s3://b/p/{shard}") == "aws s3 cp s3://b/p/{shard} -"
     assert _turned_around("aws s3 cp - 's3://b/p/{shard}' --endpoint-url $EP | cat") == (
         "aws s3 cp 's3://b/p/{shard}' - --endpoint-url $EP | cat")  # quotes, variables, pipes
-    with pytest.raises(SystemExit, match=r"parts/plan.json was written to .* but cannot be read "
-                                         r"back \(reading it back: `false parts/plan.json` exited 1\)"):
+    unreadable = (r"parts/plan.json was written to .* but cannot be read back \(reading it "
+                  r"back: `false parts/plan.json` exited 1\)")
+    with pytest.raises(SystemExit, match=unreadable):
         main([*argv[:3], "--out", write, "--out-read", "pipe:false {shard}", *FLAGS])
     with pytest.raises(SystemExit, match="give the command that reads a file back"):
         main(["webdataset", "--shards", "x.tar", "--out", "pipe:tee {shard}", *FLAGS])

@@ -24,7 +24,7 @@ from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests.test_arithmetic import one_thread
-from tests.test_slurm import ENDED, ROOT, job_field, tool, wait_for
+from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
@@ -228,15 +228,7 @@ def test_a_slurm_array_builds_what_one_process_does(slurm, collection: Collectio
     job, `--dependency=afterok` on the array; launch/README.md documents the two commands."""
     out, script = tmp_path / "index", str(ROOT / "launch/slurm/index.sbatch")
     env = {**slurm, "OMP_NUM_THREADS": "1"}
-    submitted = []
-
-    def sbatch(*argv: str) -> str:
-        job = subprocess.run([tool("sbatch"), "--parsable", *argv], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        submitted.append(job.split(";")[0])
-        return submitted[-1]
-
-    try:
+    with jobs(env) as sbatch:
         array = sbatch("--array=3-4", f"--output={tmp_path}/task-%a.out", script, "--model",
                        str(collection.model), "--shards", str(collection.shards), "--split",
                        "val", "--workers", "1", "--out", str(out))
@@ -244,9 +236,6 @@ def test_a_slurm_array_builds_what_one_process_does(slurm, collection: Collectio
                        script, "--merge", "--out", str(out))
         wait_for(lambda: job_field(slurm, merge, "JobState") in ENDED, 300, "the merge job",
                  tmp_path / "merge.out")
-    finally:
-        for job in submitted:
-            subprocess.run([tool("scancel"), job], env=env, capture_output=True)
     logs = "".join(path.read_text() for path in sorted(tmp_path.glob("*.out")))
     assert job_field(slurm, merge, "JobState") == "COMPLETED", logs[-4000:]
     for task in (3, 4):

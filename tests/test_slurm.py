@@ -18,8 +18,8 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -170,6 +170,25 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 def scontrol(env: dict[str, str], *args: str) -> str:
     return subprocess.run([tool("scontrol"), *args], env=env, capture_output=True,
                           text=True).stdout
+
+
+@contextmanager
+def jobs(env: dict[str, str]) -> Iterator[Callable[..., str]]:
+    """`submit(*sbatch_args)` -> the job id (`sbatch --parsable`, from the repository); every job
+    submitted is cancelled at the end, whatever happened."""
+    submitted: list[str] = []
+
+    def submit(*argv: str) -> str:
+        job = subprocess.run([tool("sbatch"), "--parsable", *argv], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        submitted.append(job.split(";")[0])
+        return submitted[-1]
+
+    try:
+        yield submit
+    finally:
+        for job in submitted:
+            subprocess.run([tool("scancel"), job], env=env, capture_output=True)
 
 
 def job_field(env: dict[str, str], job: str, name: str) -> str:
