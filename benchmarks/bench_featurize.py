@@ -155,7 +155,7 @@ def ingest(tars: list[Path], parser: Parser, boxes: Callable, out: Path) -> tupl
                                  MAX_IMAGE_PIXELS), parser, boxes, lambda _: None)
              for index, tar in enumerate(tars)]
     seconds = time.perf_counter() - start
-    return sum(shard["samples"] for part in parts for shard in part["shards"]), seconds
+    return sum(part["samples"] for part in parts), seconds
 
 
 def steps(tars: list[Path], parser: Parser, boxes: Callable) -> dict[str, float]:
