@@ -1,6 +1,6 @@
 """Where a featurized set is written (`--out`): a local folder, an S3 bucket, or `pipe:` commands.
 
-- a folder: each file written under a temporary name beside its target and renamed when whole;
+- a folder: each file written in a scratch folder inside it and renamed into place when whole;
 - `s3://BUCKET/PREFIX`: boto3, so any S3-compatible store (MinIO, R2, GCS's XML API, ...) through
   the usual AWS settings (AWS_ENDPOINT_URL, AWS_PROFILE, ...); a file is one upload (multipart
   when large), which S3 shows whole or not at all;

@@ -41,7 +41,7 @@ from featurizer.records import (
     image_key,
 )
 
-IMAGE_ENTRIES = ("jpg", "jpeg", "png", "webp")  # the first one a sample has is its image
+SOURCE_IMAGES = ("jpg", "jpeg", "png", "webp")  # entries read as the image, the first one found
 # A split from a sample names one output folder: a plain name, not "."/"..", nor a file of the set.
 SPLIT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 RESERVED = {MANIFEST, VOCAB, "parts"}
@@ -165,9 +165,9 @@ def _sample(entries: dict, where: str, default_split: str) -> Sample | Problem:
         return Problem(origin, MALFORMED, f"split {split!r} cannot name a folder of the set (a "
                                           f"word of [A-Za-z0-9_.-], not starting with '.', "
                                           f"not {', '.join(sorted(RESERVED))}); sample skipped")
-    image = next((entries[name] for name in IMAGE_ENTRIES if name in entries), None)
+    image = next((entries[name] for name in SOURCE_IMAGES if name in entries), None)
     if image is None:
-        return Problem(origin, MISSING_IMAGE, f"no image entry ({', '.join(IMAGE_ENTRIES)}); "
+        return Problem(origin, MISSING_IMAGE, f"no image entry ({', '.join(SOURCE_IMAGES)}); "
                                               f"it has {_entry_names(entries)}", split)
     texts, lost = _captions(entries, meta, origin, split)
     if not texts:

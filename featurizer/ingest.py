@@ -157,10 +157,7 @@ def _input_name(url: str, index: int) -> str:
 def _finished(unit: Unit, where: Destination) -> bool:
     """Whether the unit's part is there, of these settings, with each of its shards at its size
     (when the destination can tell sizes)."""
-    try:
-        part = json.loads(where.read(unit.part) or b"null")
-    except ValueError:
-        return False
+    part = _read_json(where, unit.part)
     if not isinstance(part, dict) or part.get("fingerprint") != unit.fingerprint:
         return False
     return not where.sizes_known or all(
