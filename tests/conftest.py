@@ -51,3 +51,16 @@ def ddp_training(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 
     root = tmp_path_factory.mktemp("ddp-training")
     return root / "run", finish(torchrun(tiny_config(root, shards)))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_training(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The same training with DeepSpeed ZeRO-2, once: its run folder and output, which the
+    tracking test checks and tests/test_checkpoint_integrity.py damages a copy of a checkpoint
+    of (each rank writes its own optimizer partition)."""
+    from tests.test_train_e2e import ROOT, finish, tiny_config, torchrun
+
+    root = tmp_path_factory.mktemp("deepspeed-training")
+    config = tiny_config(root, shards, engine="deepspeed",
+                         deepspeed_config=str(ROOT / "launch/deepspeed/zero2.json"))
+    return root / "run", finish(torchrun(config))

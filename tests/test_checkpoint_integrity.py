@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import trainer.training.loop
 from trainer.config import Config
@@ -28,11 +26,10 @@ from trainer.training.checkpoint import (
     latest_checkpoint,
     load_state,
 )
-from trainer.training.distributed import DistContext, end_process
+from trainer.training.distributed import DistContext
 from trainer.training.preemption import REQUEST, Preempted
 from trainer.training.run import find_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 FILES = ["model.safetensors", "optimizer.pt", "state.json", "config.json", "checksums.json"]
 
@@ -211,29 +208,16 @@ def test_a_full_disk_keeps_the_previous_checkpoint_latest(small_disk: Path, shar
     assert latest_checkpoint(small_disk / "run") == step(small_disk / "run", 2)
 
 
-def deepspeed_ranks(rank: int, world_size: int, init_file: str, shards: str,
-                    run_dir: str) -> None:
-    """A one-step DeepSpeed ZeRO-2 training on every rank: checkpoint step-1."""
-    os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets; DeepSpeed requires it
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
-    cfg = make_config(Path(run_dir), Path(shards), engine="deepspeed",
-                      deepspeed_config=str(ROOT / "launch/deepspeed/zero2.json"))
-    if rank == 0:
-        Path(run_dir).mkdir()
-        (Path(run_dir) / REQUEST).touch()
-    dist.barrier()
-    with pytest.raises(Preempted):
-        train(cfg, DistContext(rank, world_size, rank, torch.device("cpu")), "none")
-    end_process(0)
-
-
 @pytest.mark.slow
-def test_deepspeed_partitions_are_covered(tmp_path: Path, shards: Path) -> None:
+def test_deepspeed_partitions_are_covered(tmp_path: Path,
+                                          deepspeed_training: tuple[Path, str]) -> None:
+    """A copy of the newest checkpoint of the session's 2-process DeepSpeed ZeRO-2 training
+    (tests/conftest.py): rank 1's optimizer partition is listed and verified."""
+    newest = latest_checkpoint(deepspeed_training[0])
     run_dir = tmp_path / "run"
-    mp.spawn(deepspeed_ranks, args=(2, str(tmp_path / "store"), str(shards), str(run_dir)),
-             nprocs=2)
-    folder = step(run_dir, 1)
+    folder = checkpoints_dir(run_dir) / newest.name
+    shutil.copytree(newest, folder)
+    (folder.parent / "latest").write_text(newest.name)
     listed = json.loads((folder / "checksums.json").read_text())["files"]
     assert sorted(listed) == sorted(p.name for p in folder.iterdir() if p.name != "checksums.json")
     partition = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # written by rank 1

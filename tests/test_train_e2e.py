@@ -69,14 +69,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
-def test_two_process_training_tracks_and_registers(tmp_path, shards, engine, request):
-    """The DDP training is the session's `ddp_training` (tests/conftest.py)."""
-    if engine == "ddp":
-        run_dir, output = request.getfixturevalue("ddp_training")
-    else:
-        config = tiny_config(tmp_path, shards, engine=engine,
-                             deepspeed_config=str(ROOT / "launch/deepspeed/zero2.json"))
-        run_dir, output = tmp_path / "run", finish(torchrun(config))
+def test_two_process_training_tracks_and_registers(shards, engine, request):
+    """The trainings are the session's `ddp_training` and `deepspeed_training`
+    (tests/conftest.py)."""
+    run_dir, output = request.getfixturevalue(f"{engine}_training")
     assert "Grad strides do not match" not in output  # tests/test_engines.py says why
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["registered"] == "models:/defrag@champion"
