@@ -36,10 +36,10 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False  # never wait on a handler at exit; `stopping` wakes the stalled ones
 
     def __init__(self, folder: HttpFolder, faults: dict, drop_times: int, drop_delay: float,
-                 authorization: str | None, *args) -> None:
+                 stall_after: int | None, authorization: str | None, *args) -> None:
         super().__init__(*args)
         self.folder, self.faults, self.drop_times = folder, faults, drop_times
-        self.drop_delay = drop_delay
+        self.drop_delay, self.stall_after = drop_delay, stall_after
         self.authorization = authorization  # the Authorization header a request must carry
         self.stopping = threading.Event()
 
@@ -73,7 +73,7 @@ class _Handler(SimpleHTTPRequestHandler):
         if rel in faults["drop_after"] and earlier < self.server.drop_times:
             self._send_part(faults["drop_after"][rel], stall=False)
         elif rel in faults["stall"]:
-            self._send_part(None, stall=True)
+            self._send_part(self.server.stall_after, stall=True)
         else:
             super().do_GET()
 
@@ -94,13 +94,14 @@ class _Handler(SimpleHTTPRequestHandler):
 @contextmanager
 def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
                  drop_times: int = 1, drop_delay: float = 0.0, missing: set[str] | None = None,
-                 stall: set[str] | None = None, basic_auth: str | None = None
-                 ) -> Iterator[HttpFolder]:
+                 stall: set[str] | None = None, stall_after: int | None = None,
+                 basic_auth: str | None = None) -> Iterator[HttpFolder]:
     """Serve `root` on 127.0.0.1 at a free port; fault keys are paths relative to `root`.
 
     drop_after[path] = n: send n body bytes and hang up `drop_delay` s later, for the first
     `drop_times` requests.
-    missing: answer 404. stall: send half the body, then hold the connection until exit.
+    missing: answer 404. stall: send `stall_after` body bytes (default: half the body), then
+    hold the connection until exit.
     basic_auth: "user:password" every request must give (HTTP basic authentication), else 401."""
     faults = {"drop_after": dict(drop_after or {}), "missing": set(missing or ()),
               "stall": set(stall or ())}
@@ -109,7 +110,7 @@ def serve_folder(root: Path, *, drop_after: dict[str, int] | None = None,
     def handler(*args) -> _Handler:
         return _Handler(*args, directory=str(root))
 
-    server = _Server(folder, faults, drop_times, drop_delay,
+    server = _Server(folder, faults, drop_times, drop_delay, stall_after,
                      basic_auth and basic_authorization(*basic_auth.split(":", 1)),
                      ("127.0.0.1", 0), handler)
     folder.url = f"http://127.0.0.1:{server.server_address[1]}"

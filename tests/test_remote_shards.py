@@ -168,15 +168,16 @@ def test_a_missing_shard_is_a_shard_error_naming_the_url(shards: Path,
 @pytest.mark.timeout(120)
 def test_a_stalled_transfer_times_out_naming_the_url(shards: Path, vocab: Vocabulary) -> None:
     shard = "train/shard-000003.tar"
-    with serve_folder(shards, stall={shard}) as server:
+    with serve_folder(shards, stall={shard}, stall_after=0) as server:
         started = time.monotonic()
         with pytest.raises(ShardError) as failure:
             epoch_batches(server.url, vocab, world_size=1, workers=1, io_timeout=2,
                           io_retries=1)
         elapsed = time.monotonic() - started
         message = str(failure.value)
-    # 2 attempts of ~8 s (curl's low-speed check: under 1 B/s for 2 s, its speed being an
-    # average over the last ~5 s, the half body's burst included), 1 s between them
+    # 2 attempts of ~2 s (curl's low-speed check: under 1 B/s for 2 s; no body byte is sent,
+    # whose burst would keep curl's speed, an average over its last ~5 s, up for ~8 s), 1 s
+    # between them
     assert elapsed < 30, elapsed
     assert f"{server.url}/{shard} after 2 attempts" in message, message
     assert "curl exit 28, timed out" in message, message
