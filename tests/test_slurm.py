@@ -86,7 +86,8 @@ def slurm_conf(folder: Path) -> str:
     """One node (this host, as `slurmd -C` describes it), one partition, state in `folder`.
 
     A requeued job waits `cred_expire` (120 s by default) and then the next scheduling pass
-    (every 60 s by default) before it starts again: both are shortened here.
+    (every 60 s by default) before it starts again: both are shortened here, to SLURM's
+    smallest (cred_expire: 5 s; a smaller value is refused for the default).
     """
     node = subprocess.run([tool("slurmd"), "-C"], capture_output=True, text=True,
                           check=True).stdout.splitlines()[0]
@@ -115,7 +116,7 @@ JobCompType=jobcomp/none
 SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1
 MailProg=/bin/true
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 ReturnToService=2
 MinJobAge=3600
 SlurmdParameters=config_overrides
