@@ -25,7 +25,7 @@ from trainer.config import Config
 from trainer.data.eval_set import load_eval_set
 from trainer.data.reader import image_key
 from trainer.data.shardset import locate_split
-from trainer.data.train_loader import TrainLoader, make_train_loader
+from trainer.data.train_loader import MIRROR, TrainLoader, make_train_loader
 from trainer.evaluate import retrieval_metrics
 from trainer.objectives import score_matrix
 from trainer.training.distributed import end_process
@@ -381,6 +381,37 @@ def test_cached_feature_epochs_skip_image_decoding(shards: Path, vocab: Vocabula
                     assert not bare.images[row].any()
                 else:
                     assert torch.equal(bare.images[row], full.images[row])
+
+
+def test_hflip_shows_each_image_or_its_mirror_under_its_own_id(
+        shards: Path, vocab: Vocabulary) -> None:
+    """data.hflip: per pass, about half the images come mirrored (pixels and boxes flipped left
+    to right, id + MIRROR), the same ones whatever the worker count, the pairs unchanged."""
+    plain = list(make_train_loader(make_config(shards, {"max_boxes": 3, "workers": 2}), vocab,
+                                   batch_size=12)[0])
+    views = {workers: list(make_train_loader(
+        make_config(shards, {"max_boxes": 3, "hflip": True, "workers": workers}), vocab,
+        batch_size=12)[0]) for workers in (0, 2)}
+    assert ({i for b in views[0] for i in b.image_ids}
+            == {i for b in views[2] for i in b.image_ids})  # other orders, the same views
+    mirrors = 0
+    for full, view in zip(plain, views[2], strict=True):
+        assert batch_pairs(full) == [(i.removesuffix(MIRROR), c) for i, c in batch_pairs(view)]
+        assert torch.equal(full.image_key, view.image_key)
+        for row, image_id in enumerate(view.image_ids):
+            boxes, flipped = full.boxes[full.box_image == row], view.boxes[view.box_image == row]
+            if image_id == full.image_ids[row]:
+                assert torch.equal(view.images[row], full.images[row])
+                assert torch.equal(flipped, boxes)
+                continue
+            mirrors += 1
+            size = full.images.shape[-1]
+            assert image_id == full.image_ids[row] + MIRROR
+            assert torch.equal(view.images[row], full.images[row].flip(-1))
+            assert torch.equal(flipped[:, [1, 3]], boxes[:, [1, 3]])
+            torch.testing.assert_close(flipped[:, [0, 2]], size - boxes[:, [2, 0]])
+    images = sum(len(b.image_ids) for b in plain)
+    assert 0.25 * images < mirrors < 0.75 * images
 
 
 def test_a_resumed_epoch_skips_its_first_batches_in_the_same_order(

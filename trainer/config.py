@@ -152,6 +152,9 @@ class DataConfig:
     io_retries: NonNegativeInt = 3  # retries of a failed remote shard read, from where it broke
     workers: NonNegativeInt = 2  # loader processes per rank; 0: in the training process
     shuffle_buffer: NonNegativeInt = 1000  # pairs each rank shuffles in; 0: as read
+    # Training images mirrored left to right with probability 1/2 (VSE++'s flips; not in the
+    # paper): each view has its own frozen-CNN features (trainer/data/train_loader.py)
+    hflip: bool = False
     resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
     epoch_pairs: PositiveInt | None = None  # pairs per epoch when resampled; None: the split's
     max_boxes: PositiveInt = 20  # image fragments per image, whole image included (3.2: 19 + image)

@@ -26,19 +26,22 @@ decoded again, see README "Resuming").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import os
 import random
 from collections.abc import Container, Iterator
 
+import numpy as np
 import torch.distributed as dist
 import webdataset as wds
 
 from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
-from trainer.batch import Batch, Pair, collate
+from trainer.batch import Batch, CaptionedImage, Pair, collate
 from trainer.config import Config
 from trainer.data.loader_processes import run_in_processes
 from trainer.data.reader import (
@@ -54,7 +57,7 @@ from trainer.data.reader import (
 from trainer.data.shardset import Shard, train_split
 
 log = logging.getLogger(__name__)
-
+MIRROR = "|mirror"  # suffix of the image id of a mirrored view (`data.hflip`)
 
 
 class TrainLoader:
@@ -78,6 +81,7 @@ class TrainLoader:
         self.options = ReadOptions.from_config(data)
         self.workers, self.shuffle_buffer, self.resampled = (data.workers, data.shuffle_buffer,
                                                              data.resampled)
+        self.hflip = data.hflip
         self.seed = cfg.seed if data.seed is None else data.seed
         self.epoch = epoch
         self.skip_pixels: Container[str] = frozenset()
@@ -153,6 +157,8 @@ class TrainLoader:
                 self.verified.update(notes.verified)
                 self.problems.update((p.message, p) for p in notes.problems)
                 for image in with_pixels(images, pixels):
+                    if self.hflip and mirrored(seed, image.image_id):
+                        image = mirror_view(image, size)
                     yield from image.pairs()
         finally:
             chunks.close()  # stops the loader processes
@@ -164,6 +170,22 @@ class TrainLoader:
         deal = self.split.shards.copy()
         random.Random(f"{self.seed}:{self.epoch}").shuffle(deal)
         return deal[self.rank::self.world_size]
+
+
+def mirrored(seed: str, image_id: str) -> bool:
+    """Whether a pass (`seed`) shows the mirrored view of an image: a coin per (pass, image),
+    the same in whatever order the loader processes hand their images over."""
+    return hashlib.blake2b(f"{seed}:{image_id}".encode(), digest_size=1).digest()[0] < 128
+
+
+def mirror_view(image: CaptionedImage, size: int) -> CaptionedImage:
+    """The image flipped left to right with its boxes (pixels [size, size, 3]), under its own id
+    (id + MIRROR): the frozen CNN's features of the view are cached apart from the image's."""
+    boxes = image.boxes.copy()
+    boxes[:, [0, 2]] = size - image.boxes[:, [2, 0]]
+    pixels = None if image.pixels is None else np.ascontiguousarray(image.pixels[:, ::-1])
+    return dataclasses.replace(image, image_id=image.image_id + MIRROR, pixels=pixels,
+                               boxes=boxes)
 
 
 def _chunks_of_process(shards: list[Shard], seed: str, resampled: bool, decoder: SampleDecoder,

@@ -27,7 +27,7 @@ from trainer.config import Config
 from trainer.data.eval_set import load_eval_set
 from trainer.data.feature_cache import FeatureCache, feature_stamp
 from trainer.data.shardset import training_featurizer
-from trainer.data.train_loader import make_train_loader
+from trainer.data.train_loader import MIRROR, make_train_loader
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
 from trainer.objectives import DeFragLoss, same_group_entries
@@ -148,7 +148,9 @@ class Trainer:
         rank's cache (from a previous epoch, or the disk cache)."""
         if self.cache is None or finetunes_cnn(epoch, self.cfg):
             return frozenset()
-        return frozenset(self.cache.features)
+        cached = self.cache.features  # with data.hflip, a pass may show either view
+        return frozenset(key for key in cached
+                         if not self.cfg.data.hflip or key + MIRROR in cached)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
         """One optimizer step on the global batch (forward, loss, backward, step): the global
