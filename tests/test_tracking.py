@@ -22,7 +22,10 @@ import pytest
 import requests
 import torch
 from mlflow import MlflowClient
-from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_TIMEOUT
+from mlflow.environment_variables import (
+    MLFLOW_HTTP_REQUEST_TIMEOUT,
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION,
+)
 from PIL import Image
 
 from defrag.vocab import Vocabulary
@@ -96,10 +99,13 @@ class MlflowServer:
     def start(self) -> None:
         if self.process is not None and self.process.poll() is None:
             return
+        # Without its job runner (MLflow 3's optional jobs, which the tracker never uses): ~8
+        # more Python processes importing MLflow at each start, contending for the CPUs.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1"],
+            env={**os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION.name: "false"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240  # slow on a loaded machine (~45 s seen)
         while True:
