@@ -198,12 +198,14 @@ def test_whole_sentence_encoder_trains_evaluates_and_retrieves(tmp_path, shards,
     share all but their forward with these (tests/test_encoders.py tests it), and keep CI short."""
     config = tiny_config(tmp_path, shards)
     overrides = [f"model.sentence_encoder={encoder}", "objective.use_fragment=false",
-                 f"objective.score={score}", f"objective.margin={margin}", "optim.epochs=8",
-                 "optim.frozen_cnn_epochs=8", "optim.lr=0.05", "optim.anneal_last_epochs=0"]
+                 f"objective.score={score}", f"objective.margin={margin}", "optim.epochs=4",
+                 "optim.frozen_cnn_epochs=4", "optim.lr=0.05", "optim.anneal_last_epochs=0"]
     summary = json.loads(finish(torchrun(config, *overrides)).strip().splitlines()[-1])
     best = tmp_path / "run" / "best"
     assert json.loads((best / "config.json").read_text())["model"]["sentence_encoder"] == encoder
-    chance = chance_rsum(torch.arange(10).repeat_interleave(5))  # 10 val images, 5 captions
+    # 10 val images, 5 captions: chance ~282; val rsum after epochs 1-4 (lstm, dtrnn):
+    # 322 342 386 366, 408 426 398 410
+    chance = chance_rsum(torch.arange(10).repeat_interleave(5))
     assert summary["best_val_rsum"] > chance + 40, (summary["best_val_rsum"], chance)
 
     evaluation = subprocess.run(
