@@ -6,6 +6,7 @@ the featurizer's parser, such as a GPU machine running tests/test_cuda.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,16 @@ def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
     colours (the 40 of `shards` are too few) and for a loader process to outlive its rank's
     first steps (40 fit in its read-ahead)."""
     return synthetic_shards(tmp_path_factory.mktemp("scenes200"), 200, 40, 25)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A one-node SLURM cluster on this host (tests/test_slurm.py), started once for the SLURM
+    tests of test_featurize_at_scale, test_index_build and test_slurm: the environment of its
+    commands."""
+    from tests.test_slurm import cluster
+
+    yield from cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

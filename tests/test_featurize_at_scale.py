@@ -19,14 +19,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-import tests.test_slurm as slurm_cluster
 from featurizer.synthetic import write_img2dataset
 from tests.servers import S3, s3_server, serve_folder
 from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from tests.test_train_e2e import tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-slurm = slurm_cluster.slurm  # the fixture: a one-node SLURM cluster on this host
 INPUTS = "{00000..00003}.tar"  # 4 img2dataset shards of 6 images: 3 train, then 1 val
 FLAGS = ["--parser", "spacy", "--boxes", "fullframe", "--workers", "1", "--min-word-count", "1"]
 BUCKET, PREFIX = "defrag", "laion"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import tests.test_slurm as slurm_cluster
 import trainer.search.index_builder as index_builder
 from defrag.tasks import Task, task_from
 from defrag.vocab import Vocabulary
@@ -31,7 +30,6 @@ from trainer.model import DeFragModel
 from trainer.search.index import SearchIndex
 from trainer.store.model_folder import save_model_folder
 
-slurm = slurm_cluster.slurm  # the fixture: a one-node SLURM cluster on this host
 INDEX_FILES = ("index.json", "images.safetensors", "images.faiss", "sentences.safetensors",
                "sentences.faiss")
 

@@ -134,10 +134,10 @@ def wait_for(ready, seconds: float, what: str, log: Path | None = None) -> None:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """munged (unless one runs), slurmctld and slurmd in the foreground; yields the environment
-    for SLURM commands. The finalizer stops the daemons it started, by their PIDs."""
+    for SLURM commands, then stops the daemons it started, by their PIDs. tests/conftest.py's
+    `slurm` fixture runs it once for the session."""
     require_slurm()
     folder = tmp_path_factory.mktemp("slurm")
     for name in ("state", "spool"):
