@@ -230,6 +230,28 @@ def test_evaluate_warns_when_the_shards_have_other_boxes(world: World, tmp_path:
             "featurize them with --boxes selective_search") in capsys.readouterr().err
 
 
+def test_a_whole_image_model_reads_only_the_whole_image_of_region_shards(
+        world: World, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A model trained on fullframe shards, evaluated on shards of the same images with region
+    boxes, reads their whole-image box only: the same figures, no warning (so an ensemble of
+    whole-image and region models is evaluated on region shards)."""
+    jsonl = world.shards.parent / "source" / "synthetic.jsonl"
+    regions = tmp_path / "regions"
+    featurize(read_jsonl(jsonl, jsonl.parent, "train"),
+              Settings(out=regions, parser="spacy", boxes="given", shard_size=10, workers=1,
+                       vocab=str(world.shards / "vocab.json")))
+    assert json.loads((regions / "manifest.json").read_text())["box_source"]["name"] == "given"
+    figures = []
+    for shards in (world.shards, regions):
+        evaluate.main(["--model", str(world.linear_dir), "--shards", str(shards), "--split",
+                       "val", "--workers", "0"])
+        out = capsys.readouterr()
+        assert "warning" not in out.err
+        figures.append({k: v for k, v in json.loads(out.out.splitlines()[-1]).items()
+                        if k != "shards"})
+    assert figures[0] == figures[1]
+
+
 def test_box_source_follows_the_training_shards(caplog: pytest.LogCaptureFixture) -> None:
     given = make_box_source("given", max_boxes=5).describe()
     assert rebuild_box_source(given).max_boxes == 5  # description entries that are no option

@@ -301,8 +301,11 @@ def evaluate_folder(model_dir: str, shards: str, split: str | None = None, *,
         cfg.data = dataclasses.replace(cfg.data, shards=shards, val_shards=None,
                                        manifest=manifest, workers=workers)
         cfg.eval.allow_incomplete = allow_incomplete
+        if _trained_boxes(member) == "fullframe":  # the box it was trained on, as retrieve does
+            cfg.model = dataclasses.replace(cfg.model, fullframe_only=True)
+        else:
+            _warn_other_boxes(member, cfg)
         eval_set = load_eval_set(cfg, vocab, split, max_images, rank=0, world_size=1)
-        _warn_other_boxes(member, cfg)
         cache = (caches.setdefault(cnn_fingerprint(model, cfg), FeatureCache())
                  if len(members) > 1 else None)
         scores, embedded, line = score_eval_set(model, eval_set, cfg, device, progress=True,
@@ -332,14 +335,22 @@ def evaluate_folder(model_dir: str, shards: str, split: str | None = None, *,
                       "shards": redact(shards), "split": split, **metrics}))
 
 
+def _trained_boxes(model: ModelFolder) -> str | None:
+    """The box source of the model's training shards (None: not recorded). A model trained on
+    the whole image (`fullframe`) reads only the whole-image box (row 0) of any shards, as
+    `defrag retrieve` boxes new images for it: an ensemble of whole-image and region models is
+    evaluated on region shards."""
+    return ((model.featurizer or {}).get("box_source") or {}).get("name")
+
+
 def _warn_other_boxes(model: ModelFolder, cfg: Config) -> None:
     """Say so when the shards' boxes come from another source than the model's training boxes
-    (e.g. region shards for a whole-image model): its figures then measure other inputs."""
-    trained = (model.featurizer or {}).get("box_source")
+    (e.g. whole-image shards for a region model): its figures then measure other inputs."""
+    trained = _trained_boxes(model)
     boxes = training_manifest(cfg.data).get("box_source")
-    if trained and boxes and trained["name"] != boxes["name"]:
-        print(f"warning: {model.path} was trained on {trained['name']!r} boxes but these shards "
-              f"have {boxes['name']!r} boxes; featurize them with --boxes {trained['name']} "
+    if trained and boxes and trained != boxes["name"]:
+        print(f"warning: {model.path} was trained on {trained!r} boxes but these shards "
+              f"have {boxes['name']!r} boxes; featurize them with --boxes {trained} "
               "to measure the model on the inputs it was trained on", file=sys.stderr)
 
 
