@@ -270,12 +270,17 @@ ENSEMBLES = {
     "ensemble_three_cnns_fragments": Ensemble("Ensemble on three CNNs + DeFrag fragments (Lite0, "
                                               "eq. 6, weight chosen on dev)", THREE_CNN_MEMBERS,
                                               fused="fragments_whole_lite0"),
-    # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion: its
-    # whole-image members read the whole-image box of the region model's shards
+    # whole-image members read the whole-image box of the region model's shards; the champion
+    # of 2026-11-27 morning (dev 316.4), now defrag-flickr8k-ensemble_three_cnns_regions
     "ensemble_three_cnns_regions": Ensemble("Ensemble on three CNNs + DeFrag regions (19 boxes + "
                                             "the image, roi at 448 px, eq. 6, weight chosen on "
-                                            "dev)", THREE_CNN_MEMBERS, fused="roi_448",
-                                            register_name="defrag-flickr8k"),
+                                            "dev)", THREE_CNN_MEMBERS, fused="roi_448"),
+    # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
+    "ensemble_three_cnns_regions_long": Ensemble("Ensemble on three CNNs + DeFrag regions (roi "
+                                                 "at 448 px, 12 epochs, eq. 6, weight chosen on "
+                                                 "dev)", THREE_CNN_MEMBERS,
+                                                 fused="roi_448_long",
+                                                 register_name="defrag-flickr8k"),
     "gru_fragments": Ensemble("VSE++-style GRU + DeFrag fragments (eq. 6, weight chosen on "
                               "dev)", ["gru"], fused="fragments_whole"),
 }
