@@ -171,6 +171,9 @@ ROWS = {
     # roi_448 was still climbing at its last epoch (191.7 -> 194.7): the same with 12 epochs.
     "roi_448_long": Row("† + MIL, 19 regions + the image from Lite0's 14 x 14 map, 12 epochs",
                         ["model.image_size=448", *TWELVE_EPOCHS]),
+    # Fewer boxes: the 9 of highest objectness (the shards keep them in that order) + the image.
+    "roi_448_b10": Row("† + MIL, 9 regions + the image from Lite0's 14 x 14 map, 12 epochs",
+                       ["model.image_size=448", "data.max_boxes=10", *TWELVE_EPOCHS]),
     "crop_paper": Row("† + MIL, 19 regions + the image in crop mode at 224 px (the paper's R-CNN)",
                       ["model.region_mode=crop", "run.checkpoint_every_steps=50"]),
     # A finetuning step costs ~11 s on 2 CPU cores (benchmarks/README.md): a whole epoch (300
