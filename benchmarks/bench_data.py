@@ -74,6 +74,7 @@ from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from trainer.batch import CaptionedImage
 from trainer.config import Config
+from trainer.data.device_decode import Encoded
 from trainer.data.loader_processes import Chunk, run_in_processes
 from trainer.data.reader import (
     CHUNK_IMAGES,
@@ -138,10 +139,11 @@ class TimedDecoder(SampleDecoder):
         super().__init__(**{f.name: getattr(decoder, f.name) for f in dataclasses.fields(decoder)})
         self.seconds = seconds  # multiprocessing.Value("d"), made before the fork
 
-    def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
+    def pixels_of(self, image: CaptionedImage, data: bytes, where: str = "the image"
+                  ) -> np.ndarray | Encoded:
         start = time.thread_time()
         try:
-            return super().pixels_of(image, data)
+            return super().pixels_of(image, data, where)
         finally:
             with self.seconds.get_lock():
                 self.seconds.value += time.thread_time() - start

@@ -26,7 +26,9 @@ class CaptionedImage:
 
     image_id: str
     image_key: int
-    pixels: np.ndarray | None  # uint8 [S, S, 3], as decoded; None: not decoded (yet)
+    # uint8 [S, S, 3] as decoded: a numpy array (in a loader process), or a tensor on the model's
+    # device (data.decode=device); None: not decoded (yet)
+    pixels: np.ndarray | Tensor | None
     boxes: np.ndarray  # float32 [n_box, 4] xyxy in resized pixels; row 0 = the whole image
     captions: list[str]
     fragments: list[np.ndarray]  # per caption: int64 [n, 3] (relation, w1, w2) ids; n may be 0
@@ -79,8 +81,9 @@ class Batch:
     word_relation: Tensor | None = None
 
     def pin_memory(self) -> Batch:
-        """A copy in page-locked memory, for asynchronous host-to-GPU copies."""
-        return self._map_tensors(Tensor.pin_memory)
+        """A copy in page-locked memory, for asynchronous host-to-GPU copies (images decoded on
+        the GPU are there already)."""
+        return self._map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The batch on `device`, its images float in [0, 1] there (converted after the copy:
@@ -145,10 +148,14 @@ def stack_pixels(images: Sequence[CaptionedImage]) -> Tensor | None:
     its decoded rows (an image is collated into several batches, and moving its channels first
     here cost the training process 0.3 ms per image; the CNN runs channels-last).
     An image left undecoded (its features are cached, see trainer.data.feature_cache) is zeros;
-    None when no image is decoded."""
+    None when no image is decoded. Pixels decoded on the device are stacked there."""
     decoded = [image.pixels for image in images if image.pixels is not None]
     if not decoded:
         return None
+    if isinstance(decoded[0], Tensor):  # data.decode=device
+        zeros = torch.zeros_like(decoded[0])
+        return torch.stack([zeros if image.pixels is None else image.pixels
+                            for image in images]).permute(0, 3, 1, 2)
     size = len(decoded[0])
     pixels = np.empty((len(images), size, size, 3), np.uint8)
     for row, image in enumerate(images):

@@ -155,6 +155,10 @@ class DataConfig:
     # Training images mirrored left to right with probability 1/2 (VSE++'s flips; not in the
     # paper): each view has its own frozen-CNN features (trainer/data/train_loader.py)
     hflip: bool = False
+    # Where training JPEGs are decoded: in the loader processes (PIL), or on the model's device
+    # by torchvision's batched decoder, the loader processes only reading the shards
+    # (trainer/data/device_decode.py: a GPU decodes faster than the cores that feed it)
+    decode: Literal["loader", "device"] = "loader"
     resampled: bool = False  # draw shards with replacement, epochs of epoch_pairs (large data)
     epoch_pairs: PositiveInt | None = None  # pairs per epoch when resampled; None: the split's
     max_boxes: PositiveInt = 20  # image fragments per image, whole image included (3.2: 19 + image)

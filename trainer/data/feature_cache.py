@@ -43,14 +43,16 @@ def shards_fingerprint(cfg: Config) -> str | None:
 
 def feature_stamp(cfg: Config) -> dict[str, Any]:
     """Everything the cached features depend on: the CNN, its input (the shards' boxes, and the
-    decoder's pixels: defrag.images.DECODER_VERSION)."""
+    decoder's pixels: defrag.images.DECODER_VERSION, and data.decode=device's own decoder)."""
     model = cfg.model
+    decoder = defrag.images.DECODER_VERSION
     return {"backbone": model.backbone, "pretrained": model.pretrained,
             "backbone_weights": model.backbone_weights, "image_size": model.image_size,
             "region_mode": model.region_mode, "crop_size": model.crop_size,
             "roi_output_size": model.roi_output_size,
             "max_boxes": 1 if model.fullframe_only else cfg.data.max_boxes,
-            "shards": shards_fingerprint(cfg), "decoder": defrag.images.DECODER_VERSION}
+            "shards": shards_fingerprint(cfg),
+            "decoder": f"{decoder}+device" if cfg.data.decode == "device" else decoder}
 
 
 class FeatureCache:

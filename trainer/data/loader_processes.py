@@ -28,7 +28,10 @@ from typing import Any
 
 import numpy as np
 
-Chunk = tuple[list, Sequence[np.ndarray | None], Any]  # (rows, pixels of each row or None, notes)
+# (rows, each row's pixels: an array, which travels through the ring, or any other picklable value
+# such as None (not decoded) or a JPEG's bytes, which travels in the chunk's message; notes)
+Chunk = tuple[list, Sequence[Any], Any]
+IN_RING = "ring"  # a row's pixels in the chunk's message: they are in its ring slot
 ChunkSource = Callable[[int, int], Iterator[Chunk]]  # (process, processes) -> its chunks
 
 
@@ -62,9 +65,10 @@ def _serve(source: ChunkSource, process: int, processes: int, ring: np.ndarray,
                 if os.getppid() != parent:  # the training process died: nobody reads
                     return
             for row, image in enumerate(pixels):
-                if image is not None:
+                if isinstance(image, np.ndarray):
                     ring[slot, row] = image
-            connection.send((slot, rows, [image is not None for image in pixels], notes))
+            others = [IN_RING if isinstance(image, np.ndarray) else image for image in pixels]
+            connection.send((slot, rows, others, notes))
         connection.send(None)
     except BaseException as err:  # noqa: BLE001 - reported to the training process, re-raised
         where = traceback.format_exc()
@@ -110,10 +114,10 @@ def run_in_processes(source: ChunkSource, processes: int, chunk_images: int,
                 if message is None:
                     running.remove(process)
                     continue
-                slot, rows, present, notes = message
-                block = ring[slot, :len(rows)].copy()
+                slot, rows, others, notes = message
+                pixels = [ring[slot, row].copy() if other == IN_RING else other
+                          for row, other in enumerate(others)]
                 free_slots.release()
-                pixels = [row if here else None for row, here in zip(block, present, strict=True)]
                 yield rows, pixels, notes
     finally:
         for process, (child, reader, _, _) in enumerate(children):

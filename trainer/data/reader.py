@@ -29,6 +29,8 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from PIL import UnidentifiedImageError
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from defrag.files import sha256_stream
@@ -38,6 +40,7 @@ from defrag.urls import ShardError, describe_error, open_url, redact
 from defrag.vocab import Vocabulary
 from trainer.batch import CaptionedImage
 from trainer.config import Config, DataConfig
+from trainer.data.device_decode import Encoded, for_device
 from trainer.data.shardset import Shard, SplitShards, damaged_shard
 from trainer.encoders import encoder_class
 
@@ -130,14 +133,18 @@ class SampleDecoder:
     fragment_mode: str
     trees: bool = False
     max_pixels: int = MAX_IMAGE_PIXELS  # larger images are skipped (data.max_image_pixels)
+    # JPEGs the model's device decodes are handed over undecoded (trainer/data/device_decode.py)
+    on_device: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Config, vocab: Vocabulary) -> SampleDecoder:
+    def from_config(cls, cfg: Config, vocab: Vocabulary, on_device: bool = False
+                    ) -> SampleDecoder:
         """model.image_size / fragment_mode / fullframe_only / sentence_encoder and
-        data.max_boxes / max_image_pixels."""
+        data.max_boxes / max_image_pixels; `on_device` for the training loader with
+        data.decode=device."""
         max_boxes = 1 if cfg.model.fullframe_only else cfg.data.max_boxes
         return cls(vocab, cfg.model.image_size, max_boxes, cfg.model.fragment_mode,
-                   reads_trees(cfg), cfg.data.max_image_pixels)
+                   reads_trees(cfg), cfg.data.max_image_pixels, on_device)
 
     def decode(self, sample: dict, pixels: bool = True) -> CaptionedImage:
         """The CaptionedImage of one shard sample (its pixels left undecoded unless `pixels`);
@@ -176,13 +183,21 @@ class SampleDecoder:
                               np.clip(boxes * scale, 0, self.image_size), captions, fragments,
                               (width, height), words, trees)
 
-    def pixels_of(self, image: CaptionedImage, data: bytes) -> np.ndarray:
-        """The pixels of `image` decoded from `data`; BadSample if the bytes do not decode to an
-        image of the size its metadata gives."""
+    def pixels_of(self, image: CaptionedImage, data: bytes, where: str = "the image"
+                  ) -> np.ndarray | Encoded:
+        """The pixels of `image` decoded from `data` (read at `where`), or with `on_device` the
+        JPEG bytes the device decodes; BadSample if the bytes do not decode to an image of the
+        size its metadata gives."""
+        if self.on_device and (encoded := for_device(data, image.size, self.max_pixels,
+                                                       where)) is not None:
+            return encoded
         try:
             pixels, size = decode_image(data, self.image_size, self.max_pixels)
         except ImageTooLarge as err:
             raise BadSample(str(err)) from None
+        except UnidentifiedImageError:  # its text names a memory address: a problem per pass
+            raise BadSample("cannot decode the image: not an image file PIL can identify"
+                            ) from None
         except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, ...
             raise BadSample(f"cannot decode the image ({type(err).__name__}: {err})") from None
         if size != image.size:
@@ -286,7 +301,7 @@ def _sha256(shard: Shard, options: ReadOptions) -> str:
 # Shards -> decoded images, a chunk at a time (what a loader process runs)
 
 
-Chunk = tuple[list[CaptionedImage], list[np.ndarray | None], Notes]
+Chunk = tuple[list[CaptionedImage], list[np.ndarray | Encoded | None], Notes]
 
 
 def image_chunks(shards: list[Shard], order: Iterable[int], decoder: SampleDecoder,
@@ -294,9 +309,9 @@ def image_chunks(shards: list[Shard], order: Iterable[int], decoder: SampleDecod
                  verified: Container[str] = ()) -> Iterator[Chunk]:
     """The usable images of shards[i] for i in `order`, up to CHUNK_IMAGES at a time: each
     image's metadata (pixels None) and its pixels (None for an id in `skip_pixels`,
-    whose features are cached), with the notes gathered since the previous chunk. A chunk's
-    samples are read and described first, then decoded one after another (the decoder stays
-    warm in the CPU's caches: ~3% faster than alternating)."""
+    whose features are cached; Encoded for a JPEG the device decodes), with the notes gathered
+    since the previous chunk. A chunk's samples are read and described first, then decoded one
+    after another (the decoder stays warm in the CPU's caches: ~3% faster than alternating)."""
     notes, described = Notes(), []
     for number in order:
         shard = shards[number]
@@ -320,7 +335,8 @@ def _decoded(described: list[tuple[CaptionedImage, dict, str]], decoder: SampleD
             pixels.append(None)
         else:
             try:
-                pixels.append(decoder.pixels_of(image, sample[image_entry(sample)]))
+                pixels.append(decoder.pixels_of(image, sample[image_entry(sample)],
+                                                _where(url, sample)))
             except BadSample as err:
                 notes.report(_skipped(url, sample, err))
                 continue
@@ -329,7 +345,12 @@ def _decoded(described: list[tuple[CaptionedImage, dict, str]], decoder: SampleD
 
 
 def _skipped(url: str, sample: dict, err: BadSample) -> DataProblem:
-    return DataProblem("sample", f"{redact(url)} sample {sample['__key__']!r}: {err}")
+    return DataProblem("sample", f"{_where(url, sample)}: {err}")
+
+
+def _where(url: str, sample: dict) -> str:
+    """The shard (password and signed-URL tokens redacted) and key of a sample."""
+    return f"{redact(url)} sample {sample['__key__']!r}"
 
 
 def read_images(shards: list[Shard], decoder: SampleDecoder,
@@ -341,7 +362,7 @@ def read_images(shards: list[Shard], decoder: SampleDecoder,
 
 
 def with_pixels(images: list[CaptionedImage],
-                pixels: list[np.ndarray | None]) -> list[CaptionedImage]:
+                pixels: list[np.ndarray | torch.Tensor | None]) -> list[CaptionedImage]:
     """A chunk's images with their pixels in place (None: not decoded)."""
     return [image if rows is None else dataclasses.replace(image, pixels=rows)
             for image, rows in zip(images, pixels, strict=True)]

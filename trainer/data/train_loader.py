@@ -3,8 +3,9 @@
 Each rank, and each of its `data.workers` loader processes, reads only its own shards, once per
 pass, front to back (trainer/data/reader.py); nothing is read when the loader is made, so start-up
 costs the same for 1k or 100M samples. The training process receives decoded images with their
-metadata, expands each image into one `Pair` per caption, shuffles the pairs in a buffer and
-collates `batch_size` of them into a `Batch`.
+metadata (with data.decode=device, JPEGs' bytes, which it decodes on the model's device as each
+chunk arrives: trainer/data/device_decode.py), expands each image into one `Pair` per caption,
+shuffles the pairs in a buffer and collates `batch_size` of them into a `Batch`.
 
 Every rank yields exactly `steps_per_epoch` batches of `batch_size` pairs per epoch, so no DDP
 rank waits at an epoch's end:
@@ -36,6 +37,7 @@ import random
 from collections.abc import Container, Iterator
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import webdataset as wds
 
@@ -43,6 +45,7 @@ from defrag.urls import ShardError
 from defrag.vocab import Vocabulary
 from trainer.batch import Batch, CaptionedImage, Pair, collate
 from trainer.config import Config
+from trainer.data.device_decode import decode_chunk
 from trainer.data.loader_processes import run_in_processes
 from trainer.data.reader import (
     CHUNK_IMAGES,
@@ -66,7 +69,7 @@ class TrainLoader:
 
     def __init__(self, cfg: Config, vocab: Vocabulary, batch_size: int | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, device: torch.device | str = "cpu") -> None:
         data = cfg.data
         self.rank, self.world_size = rank_and_world_size(rank, world_size)
         self.batch_size = (cfg.optim.per_rank_batch(self.world_size) if batch_size is None
@@ -77,7 +80,8 @@ class TrainLoader:
                              f"(got {data.shuffle_buffer})")
         self.split = train_split(cfg.data)
         check_trees(cfg, self.split)
-        self.decoder = SampleDecoder.from_config(cfg, vocab)
+        self.decoder = SampleDecoder.from_config(cfg, vocab, on_device=data.decode == "device")
+        self.device = torch.device(device)  # where data.decode=device decodes JPEGs
         self.options = ReadOptions.from_config(data)
         self.workers, self.shuffle_buffer, self.resampled = (data.workers, data.shuffle_buffer,
                                                              data.resampled)
@@ -156,12 +160,25 @@ class TrainLoader:
             for images, pixels, notes in chunks:
                 self.verified.update(notes.verified)
                 self.problems.update((p.message, p) for p in notes.problems)
+                if self.decoder.on_device:
+                    images, pixels = self._decoded_on_device(images, pixels)
                 for image in with_pixels(images, pixels):
                     if self.hflip and mirrored(seed, image.image_id):
                         image = mirror_view(image, size)
                     yield from image.pairs()
         finally:
             chunks.close()  # stops the loader processes
+
+    def _decoded_on_device(self, images: list[CaptionedImage], pixels: list
+                           ) -> tuple[list[CaptionedImage], list[torch.Tensor | None]]:
+        """A chunk's images with their pixels on the device (trainer/data/device_decode.py),
+        those that do not decode reported and left out."""
+        decoded, failed = decode_chunk(pixels, self.decoder.image_size, self.device)
+        for message in failed.values():
+            log.warning("%s", message)
+            self.problems[message] = DataProblem("sample", message)
+        kept = [row for row in range(len(images)) if row not in failed]
+        return [images[row] for row in kept], [decoded[row] for row in kept]
 
     def _shards(self) -> list[Shard]:
         """Every shard (resampled), or this rank's share of the epoch's deal (exact)."""
@@ -183,7 +200,11 @@ def mirror_view(image: CaptionedImage, size: int) -> CaptionedImage:
     (id + MIRROR): the frozen CNN's features of the view are cached apart from the image's."""
     boxes = image.boxes.copy()
     boxes[:, [0, 2]] = size - image.boxes[:, [2, 0]]
-    pixels = None if image.pixels is None else np.ascontiguousarray(image.pixels[:, ::-1])
+    pixels = image.pixels
+    if isinstance(pixels, torch.Tensor):  # decoded on the device (data.decode=device)
+        pixels = pixels.flip(1)
+    elif pixels is not None:
+        pixels = np.ascontiguousarray(pixels[:, ::-1])
     return dataclasses.replace(image, image_id=image.image_id + MIRROR, pixels=pixels,
                                boxes=boxes)
 
@@ -204,13 +225,15 @@ def _chunks_of_process(shards: list[Shard], seed: str, resampled: bool, decoder:
 
 def make_train_loader(cfg: Config, vocab: Vocabulary, rank: int | None = None,
                       world_size: int | None = None, epoch: int = 0,
-                      batch_size: int | None = None) -> tuple[TrainLoader, int]:
+                      batch_size: int | None = None, device: torch.device | str = "cpu"
+                      ) -> tuple[TrainLoader, int]:
     """The loader of epoch `epoch` on this rank and its steps per epoch (the same on every rank).
 
     `batch_size` is pairs per rank (default `cfg.optim.per_rank_batch`); `rank` and
-    `world_size` default to the process group's (see `rank_and_world_size`).
+    `world_size` default to the process group's (see `rank_and_world_size`); `device` is the
+    model's, where data.decode=device decodes the JPEGs.
     """
-    loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch)
+    loader = TrainLoader(cfg, vocab, batch_size, rank, world_size, epoch, device)
     return loader, loader.steps_per_epoch
 
 

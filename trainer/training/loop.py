@@ -65,7 +65,8 @@ class Trainer:
                                   ctx.world_size, cfg.run.global_negatives, objective.score)
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if cfg.run.cache_frozen_features else None)
-        self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size)
+        self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
+                                                    device=ctx.device)
         self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
         self.featurizer = training_featurizer(cfg.data) if ctx.is_main else None  # read once
         self.engine = None
