@@ -10,15 +10,18 @@ spaCy (tests/conftest.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.test_device_decode import bogus_huffman_table, encoded, photo
 from tests.test_engines import PAIRS, make_config, step_parameters
 from trainer.batch import batches_on_device, collate
-from trainer.data.reader import SampleDecoder, read_images
+from trainer.data.device_decode import Encoded, decode_chunk
+from trainer.data.reader import SampleDecoder, decode_image, read_images
 from trainer.data.shardset import load_vocabulary, locate_split
 from trainer.model import DeFragModel
 from trainer.objectives import gather_global_batch
@@ -124,3 +127,29 @@ def test_bf16_step_follows_the_float32_step(nccl_group, shards, epoch, part, min
     full, half = updates[False], updates[True]
     assert torch.nn.functional.cosine_similarity(full, half, dim=0) > min_cosine
     assert 0.8 < half.norm() / full.norm() < 1.2
+
+
+def test_device_decoding_on_the_gpu(shards) -> None:
+    """data.decode=device with nvJPEG: pixels close to the loader's (500x375 JPEGs at 224 px),
+    a JPEG nvJPEG refuses is decoded by the loader's decoder or reported, and a batch of pixels
+    decoded on the GPU goes through the pinned-memory prefetch where it is."""
+    sources = [encoded(photo((500, 375), seed=seed)) for seed in range(8)]
+    chunk = [Encoded(data, f"image {n}") for n, data in enumerate(sources)]
+    chunk.append(Encoded(bogus_huffman_table(sources[0]), "damaged"))
+    pixels, failed = decode_chunk(chunk, 224, torch.device("cuda"))
+    assert list(failed) == [8] and "damaged" in failed[8]
+    for data, image in zip(sources, pixels, strict=False):
+        assert image.is_cuda and image.shape == (224, 224, 3)
+        loader = torch.tensor(decode_image(data, 224)[0], device="cuda")
+        assert (image.int() - loader.int()).abs().float().mean() < 3.0
+    cfg = make_config(shards, "ddp", 0)
+    vocab = load_vocabulary(cfg.data)
+    images = list(read_images(locate_split(cfg.data.shards, "train").shards[:1],
+                              SampleDecoder.from_config(cfg, vocab)))[:4]
+    on_gpu = [dataclasses.replace(image, pixels=torch.from_numpy(image.pixels).cuda())
+              for image in images]
+    (batch,) = batches_on_device(iter([collate([i.pairs()[0] for i in on_gpu])]),
+                                 torch.device("cuda"))
+    want = collate([i.pairs()[0] for i in images]).to("cpu")
+    assert batch.images.is_cuda and batch.images.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(batch.images.cpu(), want.images)

@@ -17,10 +17,13 @@ import torch
 from PIL import Image
 
 from defrag.vocab import Vocabulary
+from tests.small_training import small_config
 from tests.test_data import batch_pairs, make_config, rewrite_shard
 from trainer.data.device_decode import Encoded, decode_chunk, for_device
 from trainer.data.reader import decode_image
 from trainer.data.train_loader import MIRROR, make_train_loader
+from trainer.training.checkpoint import latest_checkpoint, load_state
+from trainer.training.distributed import DistContext
 
 CPU = torch.device("cpu")
 
@@ -159,3 +162,19 @@ def test_damaged_images_are_skipped_and_counted_as_by_the_loader(
     # the loader processes log theirs (tests/test_data.py); the training process logs its own
     (device_problem,) = [p for p in loader.problems if "images__train_00001_png" in p]
     assert any(device_problem == record.getMessage() for record in caplog.records)
+
+
+def test_a_run_trains_on_device_decoded_images(jpeg_shards: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trainer.main` with data.decode=device: a frozen-CNN epoch (features cached from the
+    device's pixels) and a finetuning epoch, mirrored views, two loader processes."""
+    from trainer.main import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = small_config(jpeg_shards, tmp_path / "run", optim={"epochs": 2},
+                       data={"decode": "device", "workers": 2, "hflip": True,
+                             "verify_shards": "none"})
+    summary = train(cfg, DistContext(0, 1, 0, CPU), resume="none")
+    assert summary["best_val_rsum"] > 0
+    state = load_state(latest_checkpoint(tmp_path / "run"))
+    assert state.epoch == 2 and state.global_step == 20 and state.finetunes_cnn

@@ -70,7 +70,7 @@ def decode_chunk(pixels: list[np.ndarray | Encoded | None], size: int, device: t
     rows = [row for row, item in enumerate(pixels) if isinstance(item, Encoded)]
     decoded = _decode_all([pixels[row] for row in rows], size, device)
     out: list[torch.Tensor | None] = [
-        torch.from_numpy(item).to(device) if isinstance(item, np.ndarray) else None
+        torch.tensor(item, device=device) if isinstance(item, np.ndarray) else None
         for item in pixels]
     failed = {}
     for row, image in zip(rows, decoded, strict=True):
