@@ -40,7 +40,7 @@ python=${PYTHON:-python3}
 if ((dry)) && [[ -z ${PYTHON:-} && -x .venv/bin/python ]]; then
     python=.venv/bin/python
 fi
-for needed in .devdata/tests .devdata/bench benchmarks/gpu_figures.py; do
+for needed in .devdata/tests .devdata/bench .devdata/feed benchmarks/gpu_figures.py; do
     if [[ ! -e $needed ]]; then
         echo "cuda_check: $needed is missing: run from the repository root, after" \
             "bash benchmarks/device_prepare.sh, carrying .devdata and .whl" >&2
@@ -136,7 +136,7 @@ checks() {
     "$python" benchmarks/gpu_figures.py environment "$work"
 
     local device=cuda bf16=(--bf16) cnn=() train=(--batch 100 --image-size 224 --steps 10)
-    local feed=(--shards .devdata/bench --workers 4 --batch 100 --image-size 224)
+    local feed=(--shards .devdata/feed --workers 4 --batch 100 --image-size 224)
     local e2e_args=(cuda true 4 4 2 .devdata/bench)
     if ((dry)); then
         device=cpu bf16=() cnn=(--sizes 3 4 17 18 --image-size 64)

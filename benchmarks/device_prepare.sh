@@ -17,10 +17,12 @@
 #   first used; ZeRO-1 over a torch optimizer uses none). faiss-cpu (19 MB) serves only the
 #   end-to-end run's registration (the pyfunc model imports trainer.search). About 47 MB, 17 of
 #   them EfficientNet-Lite0's weights.
-# .devdata/tests and .devdata/bench: the synthetic shards of the tests (40 + 10 scenes, shards
-#   of 5, as tests/conftest.py makes them) and of the benchmarks (200 + 20, shards of 50, as
-#   bench_train.py makes them), made here because featurizing parses captions with spaCy, which
-#   that machine lacks (its wheels and model would add tens of MB). About 3 MB.
+# .devdata/tests, .devdata/bench, .devdata/feed: the synthetic shards of the tests (40 + 10
+#   scenes, shards of 5, as tests/conftest.py makes them), of bench_train.py and the end-to-end
+#   run (200 + 20, shards of 50, as bench_train.py makes them) and of bench_feed.py (1,000 + 10,
+#   shards of 100: 10 steps of 100 pairs per epoch would time little more than the loader's
+#   start), made here because featurizing parses captions with spaCy, which that machine lacks
+#   (its wheels and model would add tens of MB); their source images are dropped. About 7 MB.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 python=${PYTHON:-.venv/bin/python}
@@ -50,8 +52,10 @@ done
 echo "wheels: $(ls .whl | wc -l) in .whl, $(du -sh .whl | cut -f1)"
 
 rm -rf .devdata
-"$python" -m featurizer synthetic --out .devdata/tests --num-train 40 --num-val 10 --shard-size 5 \
-    2>&1 | tail -1
-"$python" -m featurizer synthetic --out .devdata/bench --num-train 200 --num-val 20 \
-    --shard-size 50 2>&1 | tail -1
+for shards in "tests 40 10 5" "bench 200 20 50" "feed 1000 10 100"; do
+    read -r name train val size <<<"$shards"
+    "$python" -m featurizer synthetic --out ".devdata/$name" --num-train "$train" \
+        --num-val "$val" --shard-size "$size" 2>&1 | tail -1
+    rm -r ".devdata/$name/source"
+done
 echo "shards: .devdata, $(du -sh .devdata | cut -f1)"
