@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #32 in one prepared command for a lent GPU machine (8 minutes of it,
+# The GPU checks in one prepared command for a lent GPU machine (8 minutes of it,
 # its set-up included), from the repository root:
 #
 #   COMMIT=<the commit> bash benchmarks/cuda_check.sh OUT_DIR
