@@ -1,6 +1,6 @@
 """The one JSON file of benchmarks/cuda_check.sh: the machine and software it ran on, each part's
-status and seconds, the parts' figures in one flat table, and the GPU targets of issue #32, each
-as {value, target, met} from figures of the same run.
+status and seconds, the parts' figures in one flat table, and the GPU targets (benchmarks/README.md,
+"GPU checks"), each as {value, target, met} from figures of the same run.
 
     python benchmarks/gpu_figures.py environment WORK   # at the start: WORK/environment.json
     python benchmarks/gpu_figures.py assemble WORK OUT.json [--dry-run]
@@ -22,7 +22,7 @@ import subprocess
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-# name -> (figure it reads, comparison, target): the targets of issue #32, point 3. The fed
+# name -> (figure it reads, comparison, target): the GPU targets. The fed
 # ratio is over feed_workers loader processes (4 on the GPU, 1 in the dry run).
 TARGETS = {
     "finetune_step_over_bare_cnn": ("train_finetune_step_over_bare_cnn", "<=", 1.2),
