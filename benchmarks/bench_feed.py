@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import webdataset as wds
-from bench_data import time_loader_epoch
+from bench_data import photo_jpeg, time_loader_epoch
 from bench_train import synthetic_shards
 from PIL import Image
 
@@ -55,8 +55,8 @@ TARGET_FED = 0.9  # fed throughput over the floor, with data.decode=device and 4
 
 
 def jpeg_shards(source: Path, out: Path, size: tuple[int, int]) -> Path:
-    """`source`'s shards with every image rewritten as a photo-like JPEG of `size` (quality 90,
-    grain of sigma 10: ~60-100 KB at 500x375), metadata size and boxes scaled to it."""
+    """`source`'s shards with every image rewritten as a photo-like JPEG of `size`
+    (`bench_data.photo_jpeg`), metadata size and boxes scaled to it."""
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("source", "*.jpg", "*.png"))
     noise = np.random.default_rng(0)
     for shard in sorted(out.glob("*/shard-*.tar")):
@@ -70,13 +70,8 @@ def jpeg_shards(source: Path, out: Path, size: tuple[int, int]) -> Path:
                 meta.update(width=size[0], height=size[1],
                             boxes=[[c * s for c, s in zip(box, scale, strict=True)]
                                    for box in meta["boxes"]])
-                pixels = np.asarray(image.resize(size, Image.Resampling.BICUBIC), np.float32)
-                grain = noise.normal(0.0, 10.0, pixels.shape)
-                jpeg = io.BytesIO()
-                Image.fromarray(np.clip(pixels + grain, 0, 255).astype(np.uint8)).save(
-                    jpeg, "JPEG", quality=90)
                 writer.write({"__key__": sample["__key__"], "json": json.dumps(meta).encode(),
-                              "jpg": jpeg.getvalue()})
+                              "jpg": photo_jpeg(image, size, noise)})
     return out
 
 

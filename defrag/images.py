@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 MAX_IMAGE_PIXELS = 40_000_000  # the default bound: a 40 Mpx RGB image decodes to 120 MB
 # Bump it whenever `decode` gives other pixels for the same bytes: caches of features computed
@@ -81,8 +81,12 @@ def _pixel_limit(text: str) -> int:
 
 
 def open_checked(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """The image of `data` opened (PIL reads only the header), refused if over `max_pixels`."""
-    image = Image.open(io.BytesIO(data))
+    """The image of `data` opened (PIL reads only the header), refused if over `max_pixels`;
+    UnidentifiedImageError naming `name` if PIL knows no format of it."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:  # PIL's text names the stream's memory address instead
+        raise UnidentifiedImageError(f"{name} is not an image file PIL can identify") from None
     if image.width * image.height > max_pixels:
         raise ImageTooLarge(name, image.size, max_pixels)
     return image
