@@ -6,9 +6,13 @@ tagged; and a finished run trained further registers its new best as a new versi
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 import subprocess
+import typing
 from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal
 
 import pytest
 import torch
@@ -16,7 +20,13 @@ from mlflow import MlflowClient
 
 from tests import DEFRAG
 from tests.small_training import small_config
-from trainer.config import RESUME_FIXED, RESUME_FIXED_MID_EPOCH, Config, ConfigError
+from trainer.config import (
+    RESUME_CHANGEABLE,
+    RESUME_FIXED,
+    RESUME_FIXED_MID_EPOCH,
+    Config,
+    ConfigError,
+)
 from trainer.store.registry import RegistrationFailed, download_model
 from trainer.store.tracking import flatten
 from trainer.training.checkpoint import TrainState, latest_checkpoint, resume_changes
@@ -163,8 +173,76 @@ def test_keys_that_order_an_epoch_are_fixed_only_mid_epoch(tmp_path: Path) -> No
         "data.workers: 2 -> 4", "optim.lr: 0.01 -> 0.5", "seed: 0 -> 7"]
 
 
-def test_every_fixed_key_is_a_config_key() -> None:
-    assert flatten(Config().to_dict()).keys() >= RESUME_FIXED | RESUME_FIXED_MID_EPOCH
+def test_every_config_key_is_either_fixed_or_changeable_on_resume() -> None:
+    """A new key is classified when it is added: in exactly one of the three sets."""
+    keys = set(flatten(Config().to_dict()))
+    classes = [RESUME_FIXED, RESUME_FIXED_MID_EPOCH, RESUME_CHANGEABLE]
+    unclassified = keys.difference(*classes)
+    assert not unclassified, (f"{sorted(unclassified)}: add each to RESUME_FIXED, "
+                              "RESUME_FIXED_MID_EPOCH or RESUME_CHANGEABLE (trainer/config.py)")
+    twice = [key for key in keys if sum(key in keys_ for keys_ in classes) > 1]
+    assert not twice, f"{twice}: in more than one of the resume classes"
+    assert set().union(*classes) <= keys, "a resume class names a key the config has not"
+
+
+# The checkpoint's config in the per-key tests: defaults, but C_F off, so that
+# model.sentence_encoder may change to a whole-sentence encoder on its own
+SAVED = {"objective": {"use_fragment": False}}
+
+
+def another_value(key: str) -> tuple[Any, Any]:
+    """The key's value in SAVED, and another value the key's annotation allows."""
+    section, _, name = key.rpartition(".")
+    owner = type(getattr(Config(), section)) if section else Config
+    hint = typing.get_type_hints(owner, include_extras=True)[name]
+    old = flatten(Config.from_dict(SAVED).to_dict())[key]
+    union = typing.get_origin(hint) in (typing.Union, UnionType)
+    kinds = [typing.get_args(arg)[0] if typing.get_origin(arg) is Annotated else arg
+             for arg in (typing.get_args(hint) if union else [hint])]
+    kind = next(arg for arg in kinds if arg is not type(None))
+    if typing.get_origin(kind) is Literal:
+        return old, next(choice for choice in typing.get_args(kind) if choice != old)
+    if old is None:
+        return old, kind(1) if kind is not str else "other"
+    return old, {bool: lambda: not old, int: lambda: old + 1, float: lambda: old * 2 + 1,
+                 str: lambda: f"{old}-other"}[kind]()
+
+
+def resumed_with(folder: Path, key: str, new: Any, state: TrainState) -> list[str]:
+    """resume_changes of the checkpoint in `folder` (SAVED) with `key` changed to `new`."""
+    Config.from_dict(SAVED).to_json(folder / "config.json")
+    section, _, name = key.rpartition(".")
+    changed = {**SAVED, section: {**SAVED.get(section, {}), name: new}} if section else {
+        **SAVED, name: new}
+    return resume_changes(folder, state, Config.from_dict(changed), world_size=1)
+
+
+@pytest.mark.parametrize("key", sorted(RESUME_FIXED))
+def test_a_change_of_each_fixed_key_is_refused_in_one_line_naming_it(tmp_path: Path,
+                                                                      key: str) -> None:
+    old, new = another_value(key)
+    with pytest.raises(ConfigError) as refused:
+        resumed_with(tmp_path, key, new, TrainState(epoch=1))
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith(f"cannot resume {tmp_path} with this config: {key}: {old} -> {new}; ")
+
+
+@pytest.mark.parametrize("key", sorted(RESUME_FIXED_MID_EPOCH))
+def test_a_change_of_each_key_that_orders_an_epoch_is_refused_mid_epoch_only(tmp_path: Path,
+                                                                             key: str) -> None:
+    old, new = another_value(key)
+    with pytest.raises(ConfigError, match=f"with this config: {re.escape(key)}: "):
+        resumed_with(tmp_path, key, new, TrainState(epoch=1, step_in_epoch=3))
+    assert resumed_with(tmp_path, key, new, TrainState(epoch=1)) == [f"{key}: {old} -> {new}"]
+
+
+@pytest.mark.parametrize("key", sorted(RESUME_CHANGEABLE))
+def test_a_change_of_each_changeable_key_is_accepted_even_mid_epoch(tmp_path: Path,
+                                                                   key: str) -> None:
+    old, new = another_value(key)
+    assert resumed_with(tmp_path, key, new, TrainState(epoch=1, step_in_epoch=3)) == [
+        f"{key}: {old} -> {new}"]
 
 
 def test_a_checkpoint_without_its_config_resumes_with_a_warning(

@@ -72,15 +72,6 @@ def test_a_resume_on_another_world_size(tmp_path: Path, shards: Path, engine: st
             train(cfg, CPU, "latest")
 
 
-def test_an_image_size_limit_orders_an_epoch(tmp_path: Path) -> None:
-    """data.max_image_pixels decides which samples are skipped: fixed mid-epoch only."""
-    Config().to_json(tmp_path / "config.json")
-    changed = Config.from_dict({"data": {"max_image_pixels": 1000}})
-    with pytest.raises(ConfigError, match=r"data\.max_image_pixels: \d+ -> 1000;"):
-        resume_changes(tmp_path, TrainState(step_in_epoch=3), changed, world_size=1)
-    assert resume_changes(tmp_path, TrainState(), changed, world_size=1)
-
-
 def test_a_checkpoint_without_its_world_size_resumes(tmp_path: Path) -> None:
     """Written by an earlier version: the world size it was trained on is unknown."""
     Config().to_json(tmp_path / "config.json")

@@ -292,8 +292,9 @@ class Config:
 
 # The keys a resume may not change (trainer.training.checkpoint.resume_changes refuses it, listing
 # each `key: old -> new`): they change what the checkpoint's weights, optimizer state and step
-# counters mean. Every other key may change on resume (lr and its schedule, epochs, eval,
-# logging, checkpointing, paths of caches, registration); the change is logged and tagged.
+# counters mean. The keys that may change on resume are RESUME_CHANGEABLE's (lr and its schedule,
+# epochs, eval, logging, checkpointing, paths of caches, registration); a change is logged and
+# tagged.
 RESUME_FIXED = frozenset({
     # the network: its shapes and what its parts compute (the weights fit only it); the word
     # vectors' file sets W_e's width. Not model.pretrained / backbone_weights: they only
@@ -326,6 +327,28 @@ RESUME_FIXED = frozenset({
 # ranks the shards are dealt to), which the checkpoint's state keeps, not its config
 RESUME_FIXED_MID_EPOCH = frozenset({"seed", "data.seed", "data.workers", "data.shuffle_buffer",
                                     "data.max_image_pixels"})
+# ... and the keys a resume may change, logged and tagged: every key is in exactly one of the three
+# sets (tests/test_resume_config.py), so that a new key is classified when it is added
+RESUME_CHANGEABLE = frozenset({
+    # they only initialise the CNN, whose weights the checkpoint replaces
+    "model.pretrained", "model.backbone_weights",
+    # the schedule and the optimizer's hyperparameters (not its kind, whose state is saved)
+    "optim.lr", "optim.lr_decay", "optim.momentum", "optim.weight_decay", "optim.epochs",
+    "optim.frozen_cnn_epochs", "optim.finetune_cnn", "optim.anneal_last_epochs",
+    "optim.anneal_factor", "optim.cnn_lr_scale", "optim.grad_clip",
+    # how the same shards are read: checks, network patience, where JPEGs are decoded; the
+    # mirrored views are chosen by (seed, image), not by the order of the pairs
+    "data.verify_shards", "data.io_timeout", "data.io_retries", "data.decode", "data.hflip",
+    # evaluation, devices, caches, checkpointing, logging, fault handling, registration
+    "eval.chunk_images", "eval.chunk_sentences", "eval.hodosh", "eval.image_batch",
+    "eval.allow_incomplete", "run.run_dir", "run.device", "run.bf16",
+    "run.cache_frozen_features", "run.feature_cache", "run.checkpoint_every_steps",
+    "run.keep_checkpoints", "run.nonfinite_loss", "run.max_nonfinite_steps",
+    "run.log_every_steps", "run.register_name", "run.register_alias",
+    # the captioner's generation and re-ranking, which read the trained model and change no weight
+    "caption.candidates", "caption.neighbours", "caption.min_length", "caption.max_length",
+    "caption.repeat_penalty", "caption.lm_weight", "caption.top",
+})
 
 
 def _read_file(path: Path) -> dict[str, Any]:
