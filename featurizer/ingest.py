@@ -6,14 +6,18 @@ job). A unit streams its shard (featurizer/img2dataset.py) CHUNK samples at a ti
 parsed, then each image decoded, boxed and appended to its split's output shard
 `<split>/shard-<u>.tar` (with `--shard-size K`, pieces of K images `<split>/shard-<u>-<j>.tar`),
 each put whole once complete (featurizer/destinations.py). The unit's part, `parts/<u>.json`
-(its shards with their counts, its skipped inputs), is put last: a unit whose part matches the
-run's settings and whose shards are there is finished, and a rerun skips it. Each task also puts
-`parts/plan.json` (the units and settings). Memory holds CHUNK samples and one shard's metadata
-per split, whatever the size of the data.
+(its shards with their counts and sizes, its skipped inputs, the settings that decide the set),
+is put last: a unit whose part matches the run's settings and whose shards are there at their
+sizes is finished, and a rerun skips it (a part that differs only in the merge's settings takes
+the task's). Each task also puts `parts/plan.json` (the units and settings). Memory holds CHUNK
+samples and one shard's metadata per split, whatever the size of the data.
 
 `merge` reads the plan and every part, builds the vocabulary from the training split's counts
 (every token is kept in the shards, so the counts the units recorded are all it needs) or reuses
-`--vocab`, then puts vocab.json and manifest.json, last: a manifest never names a missing shard.
+`--vocab`, then puts vocab.json and manifest.json, last. It refuses, naming them, parts of other
+settings than the plan's and shards missing or of another size than their part records, so a
+manifest never names a missing shard (a `pipe:` output cannot be looked up without reading each
+shard: there the parts are trusted).
 The same input shards give the same output bytes in any number of tasks.
 """
 
@@ -25,7 +29,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,9 @@ CHUNK = 256  # samples parsed together (the parser's batch); their images decode
 PLAN = "parts/plan.json"
 TIMEOUT = 60.0  # seconds an input read may stall
 RETRIES = 3  # reads of an input shard that fails midway, from its start
+NOT_OUTPUT = ("out", "workers", "parse_batch_size", "splits", "limit", "box_options")  # how fast
+# or where, not what (box_options: in the box source's description; splits, limit: refused)
+MERGE_ONLY = ("train_split", "min_word_count", "relation_min_fraction", "word_vectors", "vocab")
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class Unit:
     default_split: str
     shard_size: int | None
     max_image_pixels: int
+    settings: dict  # those that decide the set (`_output_settings`), recorded in its part
 
     @property
     def part(self) -> str:
@@ -93,10 +101,12 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
     inputs = wds.shardlists.expand_urls(shards)
     if not inputs:
         raise ValueError(f"--shards {redact(shards)} names no shard")
-    units = _plan(inputs, out_read, default_split, settings, parser, box_source)
+    output_settings = _output_settings(settings, default_split, parser, box_source)
+    units = _plan(inputs, out_read, default_split, settings, output_settings)
     write_text(where, PLAN, json.dumps({
         "format": FORMAT_VERSION, "parser": parser.describe(), "box_source": box_source.describe(),
         "settings": redact(jsonable(vars(settings))), "command": redact(settings.command),
+        "output_settings": output_settings,
         "units": [{"input": unit.name, "fingerprint": unit.fingerprint} for unit in units],
     }, ensure_ascii=False, indent=1))
     if _read_json(where, PLAN) is None:
@@ -130,20 +140,29 @@ def featurize_shards(shards: str, out_read: str | None, default_split: str, sett
     return done
 
 
+def _output_settings(settings: Settings, default_split: str, parser: Parser,
+                     box_source: Any) -> dict:
+    """The settings that decide the set, its bytes or its vocabulary (credentials masked): what
+    each part records and the merge compares."""
+    chosen = {key: value for key, value in jsonable(vars(settings)).items()
+              if key not in NOT_OUTPUT}
+    return redact({**chosen, "parser": parser.describe(), "boxes": box_source.describe(),
+                   "default_split": default_split})
+
+
 def _plan(inputs: list[str], out_read: str | None, default_split: str, settings: Settings,
-          parser: Parser, box_source: Any) -> list[Unit]:
+          output_settings: dict) -> list[Unit]:
     """One unit per input shard; its fingerprint covers the input's name (not its URL, whose
-    signature may change) and the settings that decide its bytes."""
-    decisive = {"format": FORMAT_VERSION, "parser": parser.describe(),
-                "boxes": box_source.describe(), "default_split": default_split,
-                "shard_size": settings.shard_size, "max_image_pixels": settings.max_image_pixels}
+    signature may change) and the settings that decide its bytes (all but the merge's)."""
+    decisive = {"format": FORMAT_VERSION, **{key: value for key, value in output_settings.items()
+                                             if key not in MERGE_ONLY}}
     units = []
     for index, url in enumerate(inputs):
         name = _input_name(url, index)
         payload = json.dumps({**decisive, "unit": index, "input": name}, sort_keys=True)
         units.append(Unit(index, url, name, hashlib.sha256(payload.encode()).hexdigest(),
                           str(settings.out), out_read, default_split, settings.shard_size,
-                          settings.max_image_pixels))
+                          settings.max_image_pixels, output_settings))
     return units
 
 
@@ -156,13 +175,32 @@ def _input_name(url: str, index: int) -> str:
 
 def _finished(unit: Unit, where: Destination) -> bool:
     """Whether the unit's part is there, of these settings, with each of its shards at its size
-    (when the destination can tell sizes)."""
+    (when the destination can tell sizes); a finished part whose merge settings differ takes
+    this task's (they change no byte of its shards)."""
     part = _read_json(where, unit.part)
     if not isinstance(part, dict) or part.get("fingerprint") != unit.fingerprint:
         return False
-    return not where.sizes_known or all(
-        where.size(f"{shard['split']}/{shard['file']}") == shard["bytes"]
-        for shard in part["shards"])
+    if damage := _damaged(part, where):
+        log.warning("%s (unit %d): %s; writing it again", unit.name, unit.index, damage)
+        return False
+    if part.get("settings") != unit.settings:
+        write_text(where, unit.part, json.dumps({**part, "settings": unit.settings},
+                                                ensure_ascii=False))
+    return True
+
+
+def _damaged(part: dict, where: Destination) -> str | None:
+    """The first of the part's shards that is not there at the size it records, as a line;
+    None when all are, or when the destination cannot tell sizes (a `pipe:` command)."""
+    if not where.sizes_known:
+        return None
+    for shard in part["shards"]:
+        name, size = f"{shard['split']}/{shard['file']}", shard["bytes"]
+        found = where.size(name)
+        if found != size:
+            return (f"{name} is missing" if found is None
+                    else f"{name} has {found} bytes, not the {size} its part records")
+    return None
 
 
 def featurize_unit(unit: Unit, parser: Parser, boxes: Callable,
@@ -223,7 +261,8 @@ def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[
             progress(1)
     for output in outputs.values():
         shards += output.close(where)
-    part = {"format": FORMAT_VERSION, "fingerprint": unit.fingerprint, "unit": unit.index,
+    part = {"format": FORMAT_VERSION, "fingerprint": unit.fingerprint,
+            "settings": unit.settings, "unit": unit.index,
             "input": unit.name, "shards": shards, "skipped": [p.to_json() for p in problems]}
     write_text(where, unit.part, json.dumps(part, ensure_ascii=False))
     return part
@@ -292,23 +331,13 @@ def merge(out: str, out_read: str | None = None, vocab: str | None = None,
                          f"keeps masked: give it to the merge again (--vocab)")
     by_split: dict[str, list[dict]] = {}
     totals: dict[str, dict] = {}
-    problems, missing = [], []
-    for index, unit in enumerate(plan["units"]):
-        part = _read_json(where, f"parts/{index:06d}.json")
-        if not isinstance(part, dict) or part.get("fingerprint") != unit["fingerprint"]:
-            missing.append(f"{unit['input']} (unit {index})")
-            continue
+    problems = []
+    for part in _finished_parts(where, plan):
         for shard in part["shards"]:
             add_counts(totals.setdefault(shard["split"], summed_counts([])), shard)
             by_split.setdefault(shard["split"], []).append(
                 {key: shard[key] for key in MANIFEST_FIELDS})
         problems += [Problem.from_json(p) for p in part["skipped"]]
-    if missing:
-        raise ValueError(f"{len(missing)} of the {len(plan['units'])} input shards are not "
-                         f"finished in {where.location}{_why(where)}: {', '.join(missing[:5])}"
-                         f"{' ...' if len(missing) > 5 else ''}; run the job's tasks again (each "
-                         f"redoes only what it has not finished: unit u is task u % N's), then "
-                         f"merge again")
     reused = checked_vocabulary(settings)
     if reused is None and settings.train_split not in by_split:
         raise ValueError(f"no {settings.train_split!r} samples to build the vocabulary from (the "
@@ -317,6 +346,51 @@ def merge(out: str, out_read: str | None = None, vocab: str | None = None,
                          f"reuse a vocabulary with --vocab")
     return finish(settings, where, plan["parser"], plan["box_source"], reused,
                   dict(sorted(by_split.items())), totals, problems)
+
+
+def _finished_parts(where: Destination, plan: dict) -> Iterator[dict]:
+    """Every unit's part, checked to be of the plan's settings and input with its shards there
+    at their sizes; after the last, one line naming each unit that is not and what to do."""
+    ours, count = plan.get("output_settings", {}), len(plan["units"])
+    if not where.sizes_known:
+        log.warning("the shards of %s are not looked up (a command cannot tell a file's size "
+                    "without reading it): a lost one is found when read; remove its unit's part "
+                    "(parts/<u>.json) and run its task again", where.location)
+    other, missing = [], []
+    for index, unit in enumerate(plan["units"]):
+        named = f"{unit['input']} (unit {index}"
+        part = _read_json(where, f"parts/{index:06d}.json")
+        if not isinstance(part, dict):
+            missing.append(f"{named})")
+        elif differing := _differing(part.get("settings") or {}, ours):
+            other.append(f"{named}: {differing})")
+        elif part.get("fingerprint") != unit["fingerprint"]:
+            missing.append(f"{named})")
+        elif damage := _damaged(part, where):
+            missing.append(f"{named}: {damage})")
+        else:
+            yield part
+    if other:
+        raise ValueError(f"{len(other)} of the {count} input shards were featurized with other "
+                         f"settings than the last task to start ({PLAN}): {_listed(other)}; give "
+                         f"every task the same flags and run them again (a unit that differs "
+                         f"only in the vocabulary's settings is kept), then merge again")
+    if missing:
+        raise ValueError(f"{len(missing)} of the {count} input shards are not finished in "
+                         f"{where.location}{_why(where)}: {_listed(missing)}; run the job's tasks "
+                         f"again (each redoes only what it has not finished: unit u is task "
+                         f"u % N's), then merge again")
+
+
+def _differing(theirs: dict, ours: dict) -> str:
+    """The settings (as flags) whose values differ between a part's and the plan's."""
+    return ", ".join(f"--{key.replace('_', '-')} {json.dumps(theirs.get(key))} (plan: "
+                     f"{json.dumps(ours.get(key))})" for key in sorted(ours.keys() | theirs.keys())
+                     if theirs.get(key) != ours.get(key))
+
+
+def _listed(units: list[str]) -> str:
+    return f"{', '.join(units[:5])}{' ...' if len(units) > 5 else ''}"
 
 
 def _read_json(where: Destination, name: str) -> Any:

@@ -155,15 +155,8 @@ def test_tasks_give_one_process_bytes_and_reruns_redo_only_what_is_missing(
                     for folder in (split, tmp_path / "one"))
     assert ours["splits"] == theirs["splits"] and ours["vocabulary"] == theirs["vocabulary"]
 
-    (split / "train/shard-000002.tar").unlink()  # lost: task 0 redoes unit 2 alone
-    printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", "0",
-                        "--tasks", "2", *FLAGS, capsys=capsys)
-    assert "2 of 4 input shards, 1 finished before, 1 written (4 images" in printed
-    assert (split / "train/shard-000002.tar").read_bytes() == (
-        tmp_path / "one/train/shard-000002.tar").read_bytes()
-    printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", "1",
-                        "--tasks", "2", *FLAGS, capsys=capsys)
-    assert "2 finished before, 0 written" in printed
+    damaged_outputs_are_named_and_redone(shards, split, tmp_path / "one", capsys)
+    tasks_with_other_settings_are_named(shards, split, capsys)
 
     pieces = tmp_path / "pieces"  # --shard-size cuts an input shard into pieces
     featurize("webdataset", "--shards", shards, "--out", pieces, "--shard-size", "3", *FLAGS,
@@ -175,6 +168,51 @@ def test_tasks_give_one_process_bytes_and_reruns_redo_only_what_is_missing(
     listed = locate_split(str(pieces / "train/shard-000000-{0000..0001}.tar"), "train",
                           str(pieces / "manifest.json"))
     assert [shard.samples for shard in listed.shards] == [3, 1]
+
+
+def damaged_outputs_are_named_and_redone(shards: str, split: Path, one: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A shard lost and one cut short after their parts: the merge names both and their units,
+    writes no manifest, and each owner's rerun redoes that unit alone."""
+    (split / "manifest.json").unlink()
+    (split / "train/shard-000002.tar").unlink()
+    (split / "train/shard-000001.tar").write_bytes(b"cut short")
+    size = (one / "train/shard-000001.tar").stat().st_size
+    with pytest.raises(SystemExit, match=(
+            rf"2 of the 4 input shards are not finished in {split}: 00001.tar \(unit 1: "
+            rf"train/shard-000001.tar has 9 bytes, not the {size} its part records\), 00002.tar "
+            r"\(unit 2: train/shard-000002.tar is missing\); run the job's tasks again")):
+        main(["merge", "--out", str(split)])
+    assert not (split / "manifest.json").exists()
+    for task in ("0", "1"):
+        printed = featurize("webdataset", "--shards", shards, "--out", split, "--task", task,
+                            "--tasks", "2", *FLAGS, capsys=capsys)
+        assert "2 of 4 input shards, 1 finished before, 1 written (4 images" in printed
+    for unit in (1, 2):
+        name = f"train/shard-{unit:06d}.tar"
+        assert (split / name).read_bytes() == (one / name).read_bytes()
+    featurize("merge", "--out", split, capsys=capsys)
+
+
+def tasks_with_other_settings_are_named(shards: str, split: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Tasks given another vocabulary setting or pixel bound: the merge names the setting; a
+    rerun with the same flags keeps the finished units of a vocabulary setting."""
+    def task(number: str, *flags: str) -> str:
+        return featurize("webdataset", "--shards", shards, "--out", split, "--task", number,
+                         "--tasks", "2", *FLAGS, *flags, capsys=capsys)
+
+    assert "2 finished before, 0 written" in task("1", "--min-word-count", "2")
+    with pytest.raises(SystemExit, match=(
+            r"2 of the 4 input shards were featurized with other settings than the last task "
+            r"to start \(parts/plan.json\): 00000.tar \(unit 0: --min-word-count 1 \(plan: 2\)\), "
+            r"00002.tar \(unit 2: --min-word-count 1 \(plan: 2\)\); give every task the same")):
+        main(["merge", "--out", str(split)])
+    assert "2 finished before, 0 written" in task("0", "--min-word-count", "2")
+    assert "0 finished before, 2 written" in task("0", "--max-image-pixels", "1000000")
+    with pytest.raises(SystemExit, match=r"00001.tar \(unit 1: --max-image-pixels \d+ \(plan: "
+                                         r"1000000\), --min-word-count 2 \(plan: 1\)\)"):
+        main(["merge", "--out", str(split)])
 
 
 def test_a_pipe_output_is_read_back_to_skip_and_merge(tmp_path: Path,
