@@ -139,6 +139,38 @@ def test_a_merge_with_a_task_missing_names_it(collection: Collection, tmp_path: 
     assert capsys.readouterr().err.endswith(
         "error: --merge reads the build's settings from INDEX/parts/build.json: give it only "
         "--out\n")
+    damaged_parts_are_named_and_embedded_again(collection, out, capsys)
+
+
+def damaged_parts_are_named_and_embedded_again(collection: Collection, out: Path,
+                                               capsys) -> None:
+    """Parts lost, cut short or altered after their JSON: the merge names each file (an altered
+    one by its sha256), and a rerun of its task embeds that unit again."""
+    def task(number: int) -> dict:
+        return index("--model", collection.model, "--shards", collection.shards, "--split",
+                     "val", "--workers", "1", "--out", out, "--task", number, "--tasks", 2,
+                     capsys=capsys)
+
+    assert task(1)["embedded"] == 2
+    parts = out / "parts"
+    (parts / "000001.st").unlink()
+    size = (parts / "000003.st").stat().st_size
+    (parts / "000003.st").write_bytes((parts / "000003.st").read_bytes()[:100])
+    altered = bytearray((parts / "000000.st").read_bytes())
+    altered[-1] ^= 0xFF  # a value of its last tensor
+    (parts / "000000.st").write_bytes(altered)
+    with pytest.raises(SystemExit, match=(
+            rf"2 of 4 units are not embedded yet: units 1, 3 \(task 1 of 2\); "
+            rf"{parts}/000001.st is missing; {parts}/000003.st has 100 bytes, not the {size} "
+            r"000003.json records: run those tasks again")):
+        index_builder.main(["--merge", "--out", str(out)])
+    assert task(1)["embedded"] == 2
+    with pytest.raises(SystemExit, match=(
+            rf"{parts}/000000.st is not what its unit wrote \(its sha256 is not the one "
+            r"000000.json records\): run task 0 of 2 again")):
+        index_builder.main(["--merge", "--out", str(out)])
+    assert task(0)["embedded"] == 1
+    assert index("--merge", "--out", out, capsys=capsys)["images"] == 8
 
 
 def test_a_task_never_removes_the_parts_of_another_build(collection: Collection, tmp_path: Path,

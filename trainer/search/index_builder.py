@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 from tqdm import tqdm
 
 from defrag.cli import add_debug_flag, one_line_errors
-from defrag.files import TEMPORARY, write_atomically
+from defrag.files import TEMPORARY, sha256_file, write_atomically
 from defrag.images import DECODER_VERSION
 from defrag.shard_format import image_entry
 from defrag.tasks import WHOLE_JOB, Task, add_task_flags, task_from
@@ -129,9 +129,12 @@ def _embed_unit(unit: Unit) -> tuple[int, int]:
     if sentences is not None:
         tensors.update(s_rows=sentences.embeddings, s_owner=sentences.owner,
                        s_detail=sentences.detail)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, parts / f"{unit.number:06d}.st")
+    data = save({k: v.contiguous() for k, v in tensors.items()})
+    write_atomically(parts / f"{unit.number:06d}.st", data)
     write_atomically(parts / f"{unit.number:06d}.json", json.dumps({
-        "unit": unit.describe(), "images": images.items, "problems": redact(problems),
+        "unit": unit.describe(), "tensors": {"bytes": len(data),
+                                             "sha256": hashlib.sha256(data).hexdigest()},
+        "images": images.items, "problems": redact(problems),
         "sentences": sentences.items if sentences is not None else None,
         "sentence_origins": origins}))
     return unit.number, unit.size
@@ -221,7 +224,7 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
     parts = _parts_folder(out, record, replace_other=task.count == 1)
     (out / "files").mkdir(exist_ok=True)
     mine = [unit for unit in units if task.owns(unit.number)]
-    todo = [unit for unit in mine if not _unit_done(parts, unit.number, unit.digest)]
+    todo = [unit for unit in mine if _redo(parts, unit)]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d units embedded already", len(mine) - len(todo), len(mine))
     options = ReadOptions(verify="local")
@@ -270,18 +273,20 @@ def merge(out: Path) -> dict[str, Any]:
 def _merge(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
     """`_write_index` once every unit `record` lists is embedded; else one line naming the
     units missing and the tasks that own them."""
-    tasks, missing = record["tasks"], {}
+    tasks, missing, damaged = record["tasks"], {}, []
     for number, (_, digest) in enumerate(record["units"]):
-        if not _unit_done(out / "parts", number, digest):
+        fault = _part_fault(out / "parts", number, digest, whole=False)
+        if fault is not None:
             missing.setdefault(number % tasks, []).append(number)
+            damaged += [fault] if fault else []
     if missing:
         named = "; ".join(f"unit{'s' * (len(units) > 1)} {', '.join(map(str, units[:10]))}"
                           f"{', ...' * (len(units) > 10)} (task {task} of {tasks})"
                           for task, units in sorted(missing.items()))
         raise RetrievalError(f"{out}: {sum(map(len, missing.values()))} of "
-                             f"{len(record['units'])} units are not embedded yet: {named}: run "
-                             "those tasks again (each skips the units it finished), then the "
-                             "merge")
+                             f"{len(record['units'])} units are not embedded yet: {named}"
+                             f"{''.join(f'; {fault}' for fault in damaged[:5])}: run those "
+                             "tasks again (each skips the units it finished), then the merge")
     return _write_index(out, record, embedder)
 
 
@@ -347,10 +352,49 @@ def _build_key(parts: Path) -> dict[str, Any] | None:
     return json.loads(stamp.read_text()).get("key") if stamp.is_file() else None
 
 
-def _unit_done(parts: Path, number: int, digest: str) -> bool:
-    """Whether unit `number` is embedded as `digest` describes it (its JSON is written last)."""
-    done = parts / f"{number:06d}.json"
-    return done.is_file() and _digest(json.loads(done.read_text())["unit"]) == digest
+def _redo(parts: Path, unit: Unit) -> bool:
+    """Whether `unit` is to be embedded (again): not done, or its part damaged (said)."""
+    fault = _part_fault(parts, unit.number, unit.digest, whole=True)
+    if fault:
+        log.warning("%s: embedding unit %d again", fault, unit.number)
+    return fault is not None
+
+
+def _part_fault(parts: Path, number: int, digest: str, whole: bool) -> str | None:
+    """None when unit `number` is embedded as `digest` describes it (its JSON, written last,
+    says so) and its tensors are there at the size and, when `whole` (a read), the sha256 the
+    JSON records; '' when it is not embedded; else what is wrong, naming the file."""
+    done, tensors = parts / f"{number:06d}.json", parts / f"{number:06d}.st"
+    try:
+        meta = json.loads(done.read_text()) if done.is_file() else {}
+    except ValueError:
+        return f"{done} is damaged"
+    recorded = meta.get("tensors")
+    if recorded is None or _digest(meta["unit"]) != digest:
+        return ""
+    size = tensors.stat().st_size if tensors.is_file() else None
+    if size != recorded["bytes"]:
+        return (f"{tensors} is missing" if size is None else
+                f"{tensors} has {size} bytes, not the {recorded['bytes']} {done.name} records")
+    if whole and sha256_file(tensors) != recorded["sha256"]:
+        return _altered(tensors, done)
+    return None
+
+
+def _altered(tensors: Path, done: Path) -> str:
+    return f"{tensors} is not what its unit wrote (its sha256 is not the one {done.name} records)"
+
+
+def _load_part(parts: Path, number: int, recorded: dict[str, Any],
+               tasks: int) -> dict[str, torch.Tensor]:
+    """Unit `number`'s tensors, read once and checked against the sha256 its JSON records."""
+    tensors = parts / f"{number:06d}.st"
+    data = tensors.read_bytes()
+    if hashlib.sha256(data).hexdigest() != recorded["sha256"]:
+        raise RetrievalError(f"{_altered(tensors, parts / f'{number:06d}.json')}: run task "
+                             f"{number % tasks} of {tasks} again (it embeds the unit again), "
+                             "then the merge")
+    return load(data)
 
 
 def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
@@ -361,7 +405,7 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[
     sentence_parts, problems, origins = [], list(record["skipped"]), []
     for number in range(len(record["units"])):
         meta = json.loads((out / "parts" / f"{number:06d}.json").read_text())
-        tensors = load_file(out / "parts" / f"{number:06d}.st")
+        tensors = _load_part(out / "parts", number, meta["tensors"], record["tasks"])
         image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
                                        tensors["detail"]))
         problems += meta["problems"]
