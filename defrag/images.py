@@ -5,7 +5,9 @@ The featurizer (boxes), the trainer's reader (training, evaluation, captioner), 
 pixels a box was computed on are the pixels the model sees. Three things are done for every image:
 
 - its size is read from the header and an image over `max_pixels` is refused (`ImageTooLarge`)
-  before a single pixel is decoded: a small compressed file can hold gigabytes of pixels;
+  before a single pixel is decoded: a small compressed file can hold gigabytes of pixels. This
+  bound replaces PIL's own guard (`Image.MAX_IMAGE_PIXELS`), switched off on import: with both,
+  an image over PIL's 179 Mpx was a bad image (DecompressionBombError), not a too large one;
 - its EXIF orientation is applied (phone photos are stored sideways), and the size it reports is
   the oriented (width, height);
 - every mode PIL opens becomes correct 8-bit RGB (`to_rgb`).
@@ -22,6 +24,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 MAX_IMAGE_PIXELS = 40_000_000  # the default bound: a 40 Mpx RGB image decodes to 120 MB
+Image.MAX_IMAGE_PIXELS = None  # `open_checked` bounds every image, at any --max-image-pixels
 # Bump it whenever `decode` gives other pixels for the same bytes: caches of features computed
 # from decoded pixels (trainer/data/feature_cache.py feature_stamp) are keyed by it. 2: EXIF
 # orientation applied, 16-bit images scaled (not clipped) to 8 bits.

@@ -1,10 +1,10 @@
 """One image decoder (defrag/images.py) behind every path that reads an image: the featurizer's
 (`featurizer.images.load_image`: boxes), the trainer's reader (`trainer.data.reader.decode_image`:
 training, evaluation, captioner) and the embedder's (`trainer.search.embedder.read_image`: index,
-retrieval, pyfunc, web app uploads). Every mode PIL opens becomes the expected 8-bit RGB, EXIF
-orientation is applied with the same pixels and oriented size on every path, and an image over
-the pixel bound is refused from its header, before decoding (tests/test_serve.py: the web app's
-413)."""
+retrieval, pyfunc, web app uploads). Every mode PIL opens becomes the expected 8-bit RGB, each
+of the eight EXIF orientations gives the pixels, size and boxes of the upright twin on every path,
+and an image over the pixel bound (PIL's own 179 Mpx guard included) is refused from its header,
+before decoding (tests/test_serve.py: the web app's 413)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,31 @@ import io
 import json
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+import torch
+from PIL import ExifTags, Image, ImageDraw
 
 from defrag.vocab import Vocabulary
 from featurizer.images import BadImage, load_image
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from trainer.config import Config, ModelConfig
-from trainer.data.reader import BadSample, ReadOptions, SampleDecoder, decode_image, image_chunks
+from trainer.data.reader import (
+    BadSample,
+    ReadOptions,
+    SampleDecoder,
+    decode_image,
+    image_chunks,
+    read_images,
+)
 from trainer.data.shardset import locate_split
 from trainer.model import DeFragModel
-from trainer.search.embedder import Embedder, read_image
+from trainer.search.embedder import Embedder, embed_images
+from trainer.search.fragment_set import FragmentSet
 
 WIDTH, HEIGHT = 16, 8
 WHITE = 255  # defrag.images.BACKGROUND: transparent pixels are shown over white
@@ -136,39 +146,103 @@ def test_every_mode_becomes_the_expected_8_bit_rgb(name: str, tmp_path: Path) ->
 # ---------------------------------------------------------------- EXIF orientation
 
 
-def tiny_embedder(image_size: int) -> Embedder:
-    """A real (untrained) model's embedder with whole-image boxes: what read_image needs."""
+# EXIF orientation -> the stored pixels of an upright image, as the EXIF specification defines
+# each by the side of the upright view the stored 0th row and 0th column are (not PIL's table)
+STORED = {
+    1: lambda upright: upright,  # 0th row top, 0th column left
+    2: np.fliplr,  # top, right: mirrored left-right
+    3: lambda upright: np.rot90(upright, 2),  # bottom, right: turned half round
+    4: np.flipud,  # bottom, left: mirrored top-bottom
+    5: lambda upright: upright.transpose(1, 0, 2),  # left, top: mirrored across the diagonal
+    6: lambda upright: np.rot90(upright),  # right, top: a phone held upright, turned back
+    7: lambda upright: np.rot90(upright, 2).transpose(1, 0, 2),  # right, bottom: the other one
+    8: lambda upright: np.rot90(upright, -1),  # left, bottom
+}
+SIZE = 32  # the tiny model's image size (the reader's resize)
+
+
+def tiny_embedder(boxes: dict) -> Embedder:
+    """A real (untrained) model's embedder with the `boxes` source: what read_image needs."""
     vocab = Vocabulary(["dog"], ["nsubj"])
-    model_cfg = ModelConfig(embed_dim=8, word_dim=4, pretrained=False, image_size=image_size)
+    model_cfg = ModelConfig(embed_dim=8, word_dim=4, pretrained=False, image_size=SIZE)
     model = DeFragModel.from_config(model_cfg, vocab, seed=0)
-    return Embedder(model, Config(model=model_cfg), vocab, "key",
-                    {"name": "fullframe", "options": {}}, "spacy")
+    return Embedder(model, Config(model=model_cfg), vocab, "key", boxes, "spacy")
 
 
-@pytest.mark.parametrize(("orientation", "turns"), [(6, -1), (8, 1)])
-def test_exif_orientation_gives_the_upright_view_on_every_path(orientation: int, turns: int,
+@dataclass
+class Twins:
+    """An upright PNG (no EXIF) and the same picture stored sideways, mirrored, ... (`STORED`)
+    with each EXIF orientation: once oriented, all nine have the same pixels."""
+
+    upright: np.ndarray
+    folder: Path  # upright.png and 1.png .. 8.png
+    embedder: Embedder  # selective-search boxes: boxes that move with the picture
+    boxes: list[list[float]]  # the upright twin's boxes
+    fragments: FragmentSet  # its embedding (index, retrieval, pyfunc, web app uploads)
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory: pytest.TempPathFactory) -> Twins:
+    """Three shapes off-centre on a 64 x 48 picture: every turn and mirror of it differs."""
+    picture = Image.new("RGB", (64, 48), (200, 205, 190))
+    draw = ImageDraw.Draw(picture)
+    draw.ellipse((4, 6, 26, 28), fill=(220, 30, 30))
+    draw.rectangle((36, 8, 58, 20), fill=(30, 70, 220))
+    draw.polygon([(30, 30), (46, 46), (14, 46)], fill=(30, 160, 50))
+    folder = tmp_path_factory.mktemp("orientations")
+    picture.save(folder / "upright.png")
+    upright = np.asarray(picture)
+    for orientation, stored in STORED.items():
+        exif = Image.Exif()
+        exif[ExifTags.Base.Orientation] = orientation
+        Image.fromarray(stored(upright)).save(folder / f"{orientation}.png", exif=exif)
+    embedder = tiny_embedder({"name": "selective_search", "options": {"score_size": 64}})
+    boxes, _ = embedder.box_source(picture)
+    fragments, _ = embed_images([folder / "upright.png"], embedder, skip_bad=False,
+                                progress=False)
+    return Twins(upright, folder, embedder, boxes, fragments)
+
+
+@pytest.mark.parametrize("orientation", STORED)
+def test_exif_orientation_gives_the_upright_pixels_and_boxes_on_every_path(
+        orientation: int, twins: Twins) -> None:
+    """The featurizer's and the reader's pixels and the embedder's boxes and vectors of a file
+    with EXIF orientation 1..8 are those of its upright twin (the featurizer's boxes: below)."""
+    path = twins.folder / f"{orientation}.png"
+    featurized = load_image(path).image  # the pixels the featurizer computes boxes on
+    assert np.array_equal(np.asarray(featurized), twins.upright)
+
+    pixels, original = decode_image(path.read_bytes(), SIZE)  # training and evaluation
+    assert original == (64, 48)
+    assert np.array_equal(pixels, np.asarray(Image.fromarray(twins.upright).resize(
+        (SIZE, SIZE), Image.Resampling.BILINEAR)))
+
+    # index, retrieval, pyfunc and web app uploads: boxes and vectors of the upright twin
+    fragments, _ = embed_images([path], twins.embedder, skip_bad=False, progress=False)
+    assert fragments.detail.tolist() == twins.boxes
+    torch.testing.assert_close(fragments.embeddings, twins.fragments.embeddings)
+
+
+def test_the_featurizer_and_the_shard_reader_orient_all_eight(twins: Twins,
                                                                tmp_path: Path) -> None:
-    stored = np.zeros((24, 40, 3), np.uint8)  # four coloured quadrants tell every turn apart
-    stored[:12, :20], stored[:12, 20:], stored[12:, :20] = (250, 0, 0), (0, 250, 0), (0, 0, 250)
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    path = tmp_path / "phone.jpg"
-    Image.fromarray(stored).save(path, "JPEG", quality=95, exif=exif.tobytes())
-    upright = np.rot90(np.asarray(Image.open(path).convert("RGB")), turns)  # as a viewer shows it
-
-    featurized = load_image(path).image  # boxes are computed on these pixels
-    assert featurized.size == (24, 40)
-    assert np.array_equal(np.asarray(featurized), upright)
-
-    size = 32
-    pixels, original = decode_image(path.read_bytes(), size)  # training and evaluation
-    assert original == (24, 40)
-    resized = np.asarray(featurized.resize((size, size), Image.Resampling.BILINEAR))
-    assert np.array_equal(pixels, resized)
-
-    image, boxes = read_image(path, tiny_embedder(size))  # index, retrieval, pyfunc, web app
-    assert np.array_equal(image.pixels, resized)
-    assert boxes.tolist() == [[0, 0, 24, 40]]
+    """`featurize` of the nine twins: every shard sample has the upright twin's size and
+    boxes, and the shard reader decodes the upright twin's pixels from each."""
+    jsonl = tmp_path / "twins.jsonl"
+    jsonl.write_text("".join(json.dumps({"image": path.name, "captions": ["A red dog runs ."]})
+                             + "\n" for path in sorted(twins.folder.glob("*.png"))))
+    featurize(read_jsonl(jsonl, twins.folder, "train"), Settings(
+        out=tmp_path / "shards", parser="spacy", boxes="selective_search", workers=1,
+        box_options=twins.embedder.boxes["options"], min_word_count=1))
+    decoder = SampleDecoder(Vocabulary.load(tmp_path / "shards" / "vocab.json"), SIZE, 20,
+                            "triplet")
+    images = list(read_images(locate_split(str(tmp_path / "shards"), "train").shards, decoder))
+    [upright] = [image for image in images if image.image_id.startswith("upright")]
+    scale = np.asarray([SIZE / 64, SIZE / 48] * 2, np.float32)
+    assert np.array_equal(upright.boxes, np.asarray(twins.boxes, np.float32) * scale)
+    assert {image.image_id: (image.size, image.boxes.tolist()) for image in images} == {
+        f"{name}_png": ((64, 48), upright.boxes.tolist()) for name in ["upright", *STORED]}
+    assert [image.image_id for image in images
+            if not np.array_equal(image.pixels, upright.pixels)] == []
 
 
 # ---------------------------------------------------------------- the pixel bound
@@ -202,20 +276,25 @@ def test_the_featurizer_reads_an_image_header_once(tmp_path: Path,
     assert len(opened) == 2
 
 
-def test_an_image_over_the_pixel_bound_is_refused_before_decoding(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("width", "height", "megapixels"), [
+    (7000, 7000, "49"),  # over the default 40 Mpx
+    (14000, 13000, "182"),  # over PIL's own guard too (179 Mpx: DecompressionBombError)
+])
+def test_an_image_over_the_pixel_bound_is_refused_before_decoding(
+        width: int, height: int, megapixels: str, tmp_path: Path) -> None:
     path = tmp_path / "huge.png"
-    path.write_bytes(png_header(7000, 7000))  # 49 Mpx, over the default 40 Mpx
+    path.write_bytes(png_header(width, height))
     with pytest.raises(BadImage) as refused:
         load_image(path)
     assert refused.value.reason == "too_large"
     assert str(refused.value) == (
-        f"{path} is 7000 x 7000 pixels (49 megapixels), over the limit of 40000000 "
-        f"(40 megapixels): scale it down, or raise the limit (max_image_pixels)")
+        f"{path} is {width} x {height} pixels ({megapixels} megapixels), over the limit of "
+        f"40000000 (40 megapixels): scale it down, or raise the limit (max_image_pixels)")
     decoder = SampleDecoder(Vocabulary(["dog"], ["nsubj"]), 32, 20, "triplet")
-    with pytest.raises(BadSample, match=r"7000 x 7000 pixels .* over the limit of 40000000"):
+    with pytest.raises(BadSample, match=rf"{width} x {height} pixels .* over the limit of 4000"):
         decoder.pixels_of(decoder.describe(json.dumps({
-            "image_id": "huge", "width": 7000, "height": 7000, "boxes": [[0, 0, 7000, 7000]],
-            "captions": []})), path.read_bytes())
+            "image_id": "huge", "width": width, "height": height,
+            "boxes": [[0, 0, width, height]], "captions": []})), path.read_bytes())
 
 
 def test_the_featurizer_and_the_shard_reader_count_and_skip_an_image_over_the_bound(
