@@ -151,8 +151,8 @@ def ingest(tars: list[Path], parser: Parser, boxes: Callable, out: Path) -> tupl
     """Each tar through `featurize_unit` into a fresh local folder: (images written, seconds)."""
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    parts = [featurize_unit(Unit(index, str(tar), tar.name, "bench", str(out), None, "train", None,
-                                 MAX_IMAGE_PIXELS), parser, boxes, lambda _: None)
+    parts = [featurize_unit(Unit(index, str(tar), tar.name, tar.stem, "bench", str(out), None,
+                                 "train", None, MAX_IMAGE_PIXELS), parser, boxes, lambda _: None)
              for index, tar in enumerate(tars)]
     seconds = time.perf_counter() - start
     return sum(part["samples"] for part in parts), seconds

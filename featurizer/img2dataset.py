@@ -59,7 +59,8 @@ class UnreadableInput(OSError):
 
 @dataclass
 class Sample:
-    """One img2dataset sample: its key (the image id in the output), image bytes and captions."""
+    """One img2dataset sample: its key (unique in its shard; the output's image id is
+    `<input shard>-<key>`, featurizer/ingest.py), image bytes and captions."""
 
     key: str
     image: bytes

@@ -5,7 +5,9 @@ u % N (defrag/tasks.py: a SLURM array task, a torchrun rank, `--task I --tasks N
 job). A unit streams its shard (featurizer/img2dataset.py) CHUNK samples at a time: their captions
 parsed, then each image decoded, boxed and appended to its split's output shard
 `<split>/shard-<u>.tar` (with `--shard-size K`, pieces of K images `<split>/shard-<u>-<j>.tar`),
-each put whole once complete (featurizer/destinations.py). The unit's part, `parts/<u>.json`
+each put whole once complete (featurizer/destinations.py); a sample's image id is
+`<prefix>-<key>`, the prefix naming its input shard apart from the job's others (`_prefixes`),
+as img2dataset numbers each download's keys from 0. The unit's part, `parts/<u>.json`
 (its shards with their counts and sizes, its skipped inputs, the settings that decide the set),
 is put last: a unit whose part matches the run's settings and whose shards are there at their
 sizes is finished, and a rerun skips it (a part that differs only in the merge's settings takes
@@ -27,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +79,7 @@ class Unit:
     index: int
     url: str
     name: str  # the input's file name: the shard's samples' "file" is `<name>/<key>`
+    prefix: str  # of its samples' image ids, `<prefix>-<key>`: unique in the job (`_prefixes`)
     fingerprint: str  # of the settings that decide the output bytes, and of the input's name
     out: str
     out_read: str | None
@@ -157,20 +161,44 @@ def _plan(inputs: list[str], out_read: str | None, default_split: str, settings:
     decisive = {"format": FORMAT_VERSION, **{key: value for key, value in output_settings.items()
                                              if key not in MERGE_ONLY}}
     units = []
-    for index, url in enumerate(inputs):
-        name = _input_name(url, index)
-        payload = json.dumps({**decisive, "unit": index, "input": name}, sort_keys=True)
-        units.append(Unit(index, url, name, hashlib.sha256(payload.encode()).hexdigest(),
+    for index, (url, prefix) in enumerate(zip(inputs, _prefixes(inputs), strict=True)):
+        name = _input_path(url, index)[-1]
+        payload = json.dumps({**decisive, "unit": index, "input": name, "prefix": prefix},
+                             sort_keys=True)
+        units.append(Unit(index, url, name, prefix, hashlib.sha256(payload.encode()).hexdigest(),
                           str(settings.out), out_read, default_split, settings.shard_size,
                           settings.max_image_pixels, output_settings))
     return units
 
 
-def _input_name(url: str, index: int) -> str:
-    """The file name of an input shard URL (`pipe:aws s3 cp s3://b/00003.tar -` -> 00003.tar)."""
-    names = [word.rsplit("/", 1)[-1].split("?")[0] for word in url.split()
-             if ".tar" in word.rsplit("/", 1)[-1]]
-    return names[-1] if names else f"input-{index:06d}"
+def _input_path(url: str, index: int) -> list[str]:
+    """The folders and file name of an input shard URL, query left out (`pipe:aws s3 cp
+    s3://b/00003.tar -` -> s3:, '', b, 00003.tar)."""
+    words = [word.split("?")[0] for word in url.split() if ".tar" in word.rsplit("/", 1)[-1]]
+    return words[-1].split("/") if words else [f"input-{index:06d}"]
+
+
+def _prefixes(inputs: list[str]) -> list[str]:
+    """Each input's image-id prefix: its file name without `.tar`, after as many of its folders
+    as tell all the job's inputs apart (two img2dataset downloads both number keys from 0:
+    `dl1__00000`, `dl2__00000`), words of [A-Za-z0-9] joined by `_`, folders by `__` (no `-`:
+    `<prefix>-<key>` is one image of one input). One line naming an input listed twice."""
+    paths = []  # each input's words, file name first
+    for index, url in enumerate(inputs):
+        *folders, name = _input_path(url, index)
+        words = (re.sub(r"[^A-Za-z0-9]+", "_", part).strip("_")
+                 for part in (name.split(".tar")[0], *reversed(folders)))
+        paths.append([word for word in words if word] or [f"input_{index:06d}"])
+    for depth in range(1, max(map(len, paths)) + 1):
+        prefixes = ["__".join(reversed(path[:depth])) for path in paths]
+        if len(set(prefixes)) == len(prefixes):
+            return prefixes
+    first: dict[tuple[str, ...], int] = {}
+    twice = next((first[tuple(path)], index) for index, path in enumerate(paths)
+                 if first.setdefault(tuple(path), index) != index)
+    raise ValueError(f"--shards lists one input shard twice: {redact(inputs[twice[0]])} (input "
+                     f"{twice[0]}) and {redact(inputs[twice[1]])} (input {twice[1]}); its images "
+                     f"would be featurized twice: list each input once")
 
 
 def _finished(unit: Unit, where: Destination) -> bool:
@@ -240,7 +268,8 @@ def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[
         progress(len(chunk) - len(samples))
         parsed = iter(parser.parse([text for sample in samples for text in sample.captions]))
         for sample in samples:
-            record = ImageRecord(sample.key, sample.split, Path(), f"{unit.name}/{sample.key}",
+            record = ImageRecord(f"{unit.prefix}-{sample.key}", sample.split, Path(),
+                                 f"{unit.name}/{sample.key}",
                                  sample.origin, [Caption(text, sample.origin)
                                                  for text in sample.captions],
                                  dropped=sample.lost)

@@ -5,16 +5,19 @@ It arrives as `Batch`es of a few images holding every caption of those images as
 (`fragment_sentence`, `sentence_image`, as in training), so an eval set of any size never holds
 more decoded images than one batch and the loader's prefetch.
 With several ranks, rank r reads shards r, r + world_size, ... of the split (trainer/evaluate.py
-gathers their embeddings).
+gathers their embeddings). An image_id this rank read before in the pass is a problem naming both
+shards, and that image is skipped.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from defrag.urls import redact
 from defrag.vocab import Vocabulary
 from trainer.batch import Batch, CaptionedImage, collate
 from trainer.config import Config
@@ -31,6 +34,8 @@ from trainer.data.reader import (
 )
 from trainer.data.shardset import Shard, SplitShards, val_split
 from trainer.data.train_loader import rank_and_world_size
+
+log = logging.getLogger(__name__)
 
 
 class IncompleteSplit(ValueError):
@@ -80,15 +85,29 @@ class EvalSet:
             chunks.close()  # stops the loader processes
 
     def _images(self, chunks) -> Iterator[CaptionedImage]:
-        for images, pixels, notes in chunks:
+        """The images of the pass; an image_id read before is a problem, that image skipped
+        (a batch keeps one image per id: the second's captions would go to the first)."""
+        shard_of: dict[str, str] = {}
+        for images, pixels, (notes, url) in chunks:
             self.problems.extend(notes.problems)
-            yield from with_pixels(images, pixels)
+            for image in with_pixels(images, pixels):
+                if image.image_id not in shard_of:
+                    shard_of[image.image_id] = url
+                    yield image
+                    continue
+                self.problems.append(DataProblem("sample", (
+                    f"{redact(url)}: image_id {image.image_id!r} skipped: already read from "
+                    f"{redact(shard_of[image.image_id])}; give each sample its own image_id")))
+                log.warning("%s", self.problems[-1].message)
 
 
 def _chunks_of_process(shards: list[Shard], decoder: SampleDecoder, options: ReadOptions,
                        process: int, processes: int):
-    """Loader process `process` reads shards process, process + processes, ... in order."""
-    return image_chunks(shards, range(process, len(shards), processes), decoder, options)
+    """Loader process `process` reads shards process, process + processes, ... in order; each
+    chunk's notes come with the URL of its shard."""
+    for number in range(process, len(shards), processes):
+        for images, pixels, notes in image_chunks(shards, [number], decoder, options):
+            yield images, pixels, (notes, shards[number].url)
 
 
 def load_eval_set(cfg: Config, vocab: Vocabulary, split: str | None = None,

@@ -403,8 +403,11 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[
     targets (`links`) and a line for each link not followed (`skipped`)."""
     image_parts = [_no_images(embedder)]
     sentence_parts, problems, origins = [], list(record["skipped"]), []
+    shard_of: dict[str, str] = {}
+    repeated: list[str] = []
     for number in range(len(record["units"])):
         meta = json.loads((out / "parts" / f"{number:06d}.json").read_text())
+        repeated += _repeated_names(meta, shard_of)
         tensors = _load_part(out / "parts", number, meta["tensors"], record["tasks"])
         image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
                                        tensors["detail"]))
@@ -413,6 +416,7 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[
             sentence_parts.append(FragmentSet(meta["sentences"], tensors["s_rows"],
                                               tensors["s_owner"], tensors["s_detail"]))
             origins += meta["sentence_origins"]
+    _refuse_repeated(repeated)
     images = FragmentSet.concat(image_parts)
     if not images.items:
         raise RetrievalError(f"none of the {sum(size for size, _ in record['units'])} images "
@@ -437,6 +441,30 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[
     shutil.rmtree(out / "parts")
     return {"index": str(out), "images": len(images.items),
             "sentences": len(meta["sentences"]), "problems": len(problems)}
+
+
+def _repeated_names(meta: dict[str, Any], shard_of: dict[str, str]) -> list[str]:
+    """Add a unit's image names (its files in files/) to `shard_of`, with the shard they came
+    from; those already there, each with the shards that hold it."""
+    shard = meta["unit"].get("shard", {}).get("url", "the image folder")
+    repeated = []
+    for name in meta["images"]:
+        if name in shard_of:
+            repeated.append(f"{name!r} ({shard_of[name]}" + (
+                f" and {shard})" if shard_of[name] != shard else " twice)"))
+        shard_of[name] = shard
+    return repeated
+
+
+def _refuse_repeated(repeated: list[str]) -> None:
+    """One line naming the image names of two samples (shards featurized before image ids
+    were made unique per input shard, or made by hand): files/ keeps one picture per name."""
+    if repeated:
+        raise RetrievalError(
+            f"{len(repeated)} image name(s) belong to two samples: {'; '.join(repeated[:5])}"
+            f"{' ...' * (len(repeated) > 5)}: files/ keeps one picture per name, so the index "
+            "would show the wrong one; give each sample its own image_id (featurize img2dataset "
+            "shards again: ids are now <input shard>-<key>), then build the index again")
 
 
 def _embed_sentence_file(texts: list[str], embedder: Embedder) -> FragmentSet:
