@@ -1,4 +1,5 @@
-"""Fixtures shared by the test files: a small real shard set of the synthetic dataset.
+"""Fixtures shared by the test files: a small real shard set of the synthetic dataset, an empty
+MLflow store.
 
 DEFRAG_TEST_SHARDS names such a set made beforehand (the command below), for a machine without
 the featurizer's parser, such as a GPU machine running tests/test_cuda.py."""
@@ -25,6 +26,17 @@ def synthetic_shards(root: Path, num_train: int, num_val: int, shard_size: int) 
               Settings(out=root, parser="spacy", boxes="given", shard_size=shard_size,
                        workers=1))
     return root
+
+
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An sqlite file with MLflow's schema and no experiment of ours (its schema made once:
+    seconds; tests/test_tracking.py copy_store copies it)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -23,19 +23,26 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from defrag.cli import one_line_errors
 from defrag.urls import AUTHORIZATION_ENV, MASK, ShardError, open_url, read_url, redact
+from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
 from tests import DEFRAG
 from tests.servers import basic_authorization, serve_folder
+from tests.test_tracking import copy_store
 from tests.test_train_e2e import ROOT, tiny_config
-from trainer.config import Config
+from trainer.config import Config, ModelConfig
 from trainer.data.shardset import locate_split
-from trainer.store.tracking import ERROR_TAG, Tracker
+from trainer.model import DeFragModel
+from trainer.store.model_folder import save_model_folder
+from trainer.store.tracking import ERROR_TAG, Tracker, flatten
+from trainer.training.checkpoint import TrainState, resume_changes, save_checkpoint
+from trainer.training.engine import build_engine
 
 USER, PASSWORD = "reader", "pw-7f3a9c"
 STALLED = "train/shard-000001.tar"  # the server sends half of it and holds the connection
@@ -87,6 +94,54 @@ SPELLINGS = [
      "mailto:a@b.c user@host s3://bucket/f8k/train/shard-000000.tar"),
 ]
 
+SECRET = "Zq9s3cr3t"
+# A credential in each spelling a URL carries one, by the config key it stands in: a password,
+# and the tokens of signed URLs (S3 presigned, GCS signed, an Azure SAS, a generic token)
+LEAKY = {
+    "data.shards": f"https://{USER}:{SECRET}@h.example.org/f8k/shard-{{000000..000003}}.tar",
+    "data.val_shards": ("https://b.s3.amazonaws.com/f8k/val.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                        f"&X-Amz-Credential=AKIA{SECRET}%2F20240101&X-Amz-Date=20240101T000000Z"
+                        f"&X-Amz-Security-Token={SECRET}&X-Amz-Signature={SECRET}"),
+    "data.manifest": ("https://storage.googleapis.com/b/manifest.json?X-Goog-Algorithm=GOOG4-RSA-"
+                      f"SHA256&X-Goog-Credential=sa{SECRET}&X-Goog-Signature={SECRET}"),
+    "data.vocab": f"https://acc.blob.core.windows.net/c/vocab.json?sv=2022-11-02&sp=r&sig={SECRET}",
+    "model.word_vectors": f"https://h.example.org/glove.txt?token={SECRET}&lang=en",
+}
+
+
+def leaky_config() -> Config:
+    """A config holding every LEAKY URL at its key."""
+    sections: dict = {}
+    for key, url in LEAKY.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = url
+    return Config.from_dict(sections)
+
+
+def masked_leaky(config: dict) -> dict:
+    """The LEAKY keys of a written config (nested dicts), to compare with MASKED."""
+    flat = flatten(config)
+    return {key: flat[key] for key in LEAKY}
+
+
+MASKED = {  # LEAKY as every place must write it
+    "data.shards": f"https://{USER}:{MASK}@h.example.org/f8k/shard-{{000000..000003}}.tar",
+    "data.val_shards": ("https://b.s3.amazonaws.com/f8k/val.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                        f"&X-Amz-Credential={MASK}&X-Amz-Date=20240101T000000Z"
+                        f"&X-Amz-Security-Token={MASK}&X-Amz-Signature={MASK}"),
+    "data.manifest": ("https://storage.googleapis.com/b/manifest.json?X-Goog-Algorithm=GOOG4-RSA-"
+                      f"SHA256&X-Goog-Credential={MASK}&X-Goog-Signature={MASK}"),
+    "data.vocab": f"https://acc.blob.core.windows.net/c/vocab.json?sv=2022-11-02&sp=r&sig={MASK}",
+    "model.word_vectors": f"https://h.example.org/glove.txt?token={MASK}&lang=en",
+}
+
+
+def files_holding(folder: Path, secret: str = SECRET) -> list[Path]:
+    """The files under `folder` whose bytes hold `secret`."""
+    return [path for path in folder.rglob("*") if path.is_file()
+            and secret.encode() in path.read_bytes()]
+
+
 SECRET_PARAMS = ["X-Amz-Signature", "x-amz-credential", "X-Amz-Security-Token", "X-Goog-Signature",
                  "Signature", "sig", "token", "access_token", "refresh_token", "key", "api_key",
                  "apikey", "client_secret", "password"]
@@ -115,11 +170,10 @@ def test_every_secret_parameter_is_masked_wherever_the_url_stands() -> None:
 
 
 def test_redact_masks_the_strings_of_a_config() -> None:
-    url = f"http://{USER}:{PASSWORD}@127.0.0.1:8799"
-    cfg = Config.from_dict({"data": {"shards": url, "val_shards": f"{url}/val/x.tar"}})
+    cfg = leaky_config()
     masked = redact(cfg.to_dict())
-    assert PASSWORD not in json.dumps(masked)
-    assert masked["data"]["shards"] == f"http://{USER}:{MASK}@127.0.0.1:8799"
+    assert SECRET not in json.dumps(masked)
+    assert masked_leaky(masked) == MASKED
     assert masked["optim"] == cfg.to_dict()["optim"]
     assert redact(masked) == masked
 
@@ -128,28 +182,49 @@ def test_one_line_errors_and_the_log_lines_of_a_command_mask_credentials(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     with pytest.raises(SystemExit) as stop, one_line_errors("prog"):
-        logging.getLogger("trainer.data.reader").warning("shard %s: retried", f"http://{USER}:"
-                                                    f"{PASSWORD}@h/x.tar")
-        raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar is not in the manifest")
-    assert stop.value.code == (f"prog: error: shard http://{USER}:{MASK}@h/x.tar is not in the "
-                               "manifest (--debug shows the traceback)")
+        for url in LEAKY.values():
+            logging.getLogger("trainer.data.reader").warning("shard %s: retried", url)
+        raise ValueError(f"shard {LEAKY['data.shards']} is not in {LEAKY['data.manifest']}")
+    assert stop.value.code == (f"prog: error: shard {MASKED['data.shards']} is not in "
+                               f"{MASKED['data.manifest']} (--debug shows the traceback)")
     retried = [record.getMessage() for record in caplog.records
                if record.name == "trainer.data.reader"]
-    assert retried == [f"shard http://{USER}:{MASK}@h/x.tar: retried"]
+    assert retried == [f"shard {url}: retried" for url in MASKED.values()]
+    assert SECRET not in caplog.text
 
 
-def test_the_tags_of_a_failed_run_are_masked(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_params_config_artifact_and_tags_of_a_run_are_masked(
+        tmp_path: Path, empty_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a real embedded store: no byte of mlflow.db or of the artifacts holds a credential."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    tracker = Tracker.start(Config(), tmp_path, rank=0)
+    copy_store(empty_store, tmp_path)  # the run folder's store, its schema made once
+    tracker = Tracker.start(leaky_config(), tmp_path, rank=0)
     with pytest.raises(ValueError), tracker:
-        tracker.set_tag("note", f"read from http://{USER}:{PASSWORD}@h/")
-        raise ValueError(f"shard http://{USER}:{PASSWORD}@h/x.tar?sig=abc is not in the manifest")
+        tracker.set_tag("note", f"read from {LEAKY['data.shards']}")
+        raise ValueError(f"shard {LEAKY['data.val_shards']} is not in the manifest")
     run = MlflowClient(tracker.tracking_uri).get_run(tracker.run_id)
     assert run.info.status == "FAILED"
-    assert run.data.tags["note"] == f"read from http://{USER}:{MASK}@h/"
-    assert run.data.tags[ERROR_TAG] == (f"ValueError: shard http://{USER}:{MASK}@h/x.tar?sig={MASK}"
-                                        " is not in the manifest")
+    assert masked_leaky(run.data.params) == MASKED
+    assert run.data.tags["note"] == f"read from {MASKED['data.shards']}"
+    assert run.data.tags[ERROR_TAG] == (f"ValueError: shard {MASKED['data.val_shards']} is not "
+                                        "in the manifest")
+    artifact, = (tmp_path / "mlartifacts").rglob("config.json")
+    assert masked_leaky(json.loads(artifact.read_text())) == MASKED
+    assert files_holding(tmp_path) == []
+
+
+def test_the_config_json_of_a_checkpoint_and_a_model_folder_is_masked(tmp_path: Path) -> None:
+    """Both written by Config.to_json; a resume with the same (unmasked) config changes nothing."""
+    cfg, vocab = leaky_config(), Vocabulary(["a", "dog"], ["det"])
+    model = DeFragModel.from_config(ModelConfig(embed_dim=8, word_dim=4, pretrained=False), vocab)
+    engine = build_engine(model, cfg, False, torch.device("cpu"), world_size=1)
+    checkpoint = save_checkpoint(engine, TrainState(), tmp_path / "run", rank=0, keep=1,
+                                 config=cfg)
+    folder = save_model_folder(tmp_path / "model", model, cfg, vocab)
+    for written in (checkpoint, folder):
+        assert masked_leaky(json.loads((written / "config.json").read_text())) == MASKED
+    assert files_holding(tmp_path) == []
+    assert resume_changes(checkpoint, TrainState(), cfg, world_size=1) == []
 
 
 # ---------------------------------------------------------------------------------------------

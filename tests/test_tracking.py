@@ -55,14 +55,6 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An sqlite file with MLflow's schema and no experiment of ours."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
 def copy_store(empty_store: Path, directory: Path) -> str:
     """A copy of the empty store in `directory`; its sqlite URI."""
     directory.mkdir(parents=True, exist_ok=True)
