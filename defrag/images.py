@@ -36,8 +36,7 @@ BACKGROUND = (255, 255, 255)
 
 _SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N"}
 _ALPHA = {"LA", "La", "PA", "RGBA", "RGBa"}
-_ORIENTED = {2, 3, 4, 5, 6, 7, 8}  # EXIF orientations that flip or turn the stored pixels
-_TRANSPOSED = {5, 6, 7, 8}  # ... and those of them that swap width and height
+_TRANSPOSED = {5, 6, 7, 8}  # EXIF orientations that swap the stored width and height
 
 
 class ImageTooLarge(ValueError):
@@ -115,8 +114,7 @@ def decode(data: bytes, name: str, size: tuple[int, int] | None = None,
     if size is not None:
         image.draft("RGB", size[::-1] if transposed else size)
     image.load()
-    if orientation in _ORIENTED:
-        image = ImageOps.exif_transpose(image)
+    ImageOps.exif_transpose(image, in_place=True)  # PIL's table of the eight; no copy if upright
     rgb = to_rgb(image)
     if size is not None and rgb.size != tuple(size):
         rgb = rgb.resize(size, Image.Resampling.BILINEAR)
