@@ -33,6 +33,7 @@ import trainer.search.serve as serve
 from defrag.files import CHECKSUMS
 from tests import DEFRAG
 from tests.search_world import SearchWorld, search_world, serving
+from tests.test_images import png_header
 from trainer.search.index import IndexMismatch, SearchIndex
 
 pytestmark = pytest.mark.slow
@@ -216,17 +217,20 @@ def test_a_bad_upload_gets_one_clear_line(world: SearchWorld, url: str, body: by
     assert requests.get(f"{url}/api/info").status_code == 200
 
 
-def test_an_image_over_the_pixel_bound_answers_413(url: str) -> None:
-    """A 7000 x 7000 PNG (49 Mpx, 6 KB) is refused from its header, before decoding."""
-    huge = io.BytesIO()
-    Image.new("1", (7000, 7000)).save(huge, "PNG")
-    assert len(huge.getvalue()) < UPLOAD_LIMIT
-    code, answer = raw(url, "POST", "/api/sentences", huge.getvalue(),
+@pytest.mark.parametrize(("width", "height", "megapixels"), [
+    (7000, 7000, "49"),
+    (14000, 13000, "182"),  # over PIL's own guard too (179 Mpx: DecompressionBombError)
+])
+def test_an_image_over_the_pixel_bound_answers_413(url: str, width: int, height: int,
+                                                   megapixels: str) -> None:
+    """A PNG over the 40 Mpx bound (its header alone: it cannot be decoded) is refused from its
+    header, before decoding."""
+    code, answer = raw(url, "POST", "/api/sentences", png_header(width, height),
                        {"Content-Type": "image/png"})
     assert code == 413 and json.loads(answer) == {"error": (
-        "unusable image: the uploaded file is 7000 x 7000 pixels (49 megapixels), over the "
-        "limit of 40000000 (40 megapixels): scale it down, or raise the limit "
-        "(max_image_pixels)")}
+        f"unusable image: the uploaded file is {width} x {height} pixels ({megapixels} "
+        f"megapixels), over the limit of 40000000 (40 megapixels): scale it down, or raise "
+        f"the limit (max_image_pixels)")}
     assert requests.get(f"{url}/api/info").status_code == 200
 
 
