@@ -7,6 +7,7 @@ tests/test_slurm.py) and torchrun's ranks."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -203,6 +204,32 @@ def test_a_task_with_other_settings_is_refused(collection: Collection, tmp_path:
     with pytest.raises(SystemExit, match="build.json records other settings of this build"):
         index_builder.main([str(arg) for arg in folder] + ["--task", "1", "--tasks", "3"])
     assert (out / "parts" / "build.json").read_text() == recorded
+
+
+def test_an_index_of_shards_records_their_boxes(collection: Collection, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture, capsys) -> None:
+    """The rows of shards use the shards' boxes (here fullframe): index.json says so, query
+    images get them too, and no warning about selective search (a model that does not know its
+    training boxes would use it for new images); --boxes is refused with --shards. Shards of
+    given boxes: a query image has none, it gets the model's choice."""
+    cfg = Config(model=ModelConfig(embed_dim=16, word_dim=8, pretrained=False, image_size=64))
+    vocab = Vocabulary.load(collection.shards / "vocab.json")
+    model = save_model_folder(tmp_path / "model", DeFragModel.from_config(cfg.model, vocab, seed=0),
+                              cfg, vocab)  # the tiny model, without its training featurizer
+    caplog.set_level(logging.INFO)
+    index("--model", model, "--shards", collection.shards, "--split", "val", "--workers", "1",
+          "--out", tmp_path / "index", capsys=capsys)
+    shards = json.loads((collection.shards / "manifest.json").read_text())["box_source"]
+    assert json.loads((tmp_path / "index/index.json").read_text())["boxes"] == shards
+    assert "selective_search" not in caplog.text
+    assert SearchIndex.open(tmp_path / "index").embedder.boxes == shards
+    meta = tmp_path / "index/index.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "boxes": {"name": "given"}}))
+    assert SearchIndex.open(tmp_path / "index").embedder.boxes["name"] == "selective_search"
+    with pytest.raises(SystemExit):
+        index_builder.main(["--model", str(model), "--shards", str(collection.shards), "--boxes",
+                            "detector", "--out", str(tmp_path / "other")])
+    assert "--boxes and --detector-weights are for --images" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("environ,expected", [

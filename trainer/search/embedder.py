@@ -84,10 +84,10 @@ class Embedder:
         return dataclasses.replace(decoder, max_pixels=self.max_image_pixels)
 
     @classmethod
-    def from_folder(cls, folder: ModelFolder, boxes: str | None = None,
+    def from_folder(cls, folder: ModelFolder, boxes: str | dict[str, Any] | None = None,
                     detector_weights: str | None = None, parser: str | None = None) -> Embedder:
         """The opened model folder's model, with its box source and parser chosen (see the
-        module docstring)."""
+        module docstring); `boxes`: a box source's name (--boxes) or description (shards')."""
         cfg = folder.config
         manifest = _training_featurizer(folder, cfg)
         return cls(folder.load_model(), cfg, folder.vocab, folder.checksums_key,
@@ -108,13 +108,17 @@ def _training_featurizer(folder: ModelFolder, cfg: Config) -> dict | None:
     return found
 
 
-def _choose_boxes(cfg: Config, manifest: dict | None, name: str | None,
+def _choose_boxes(cfg: Config, manifest: dict | None, name: str | dict[str, Any] | None,
                   detector_weights: str | None) -> dict[str, Any]:
-    """The box source description: --boxes, else the training one (when new images can have
-    it), else selective search. A fullframe-only model needs only the whole image."""
+    """The box source description: --boxes (or the indexed shards' description), else the
+    training one (when new images can have it), else selective search. A fullframe-only model
+    needs only the whole image."""
     if cfg.model.fullframe_only:
         log.info("boxes: the whole image only (a fullframe model uses no other box)")
         return {"name": "fullframe", "options": {}}
+    if isinstance(name, dict):
+        log.info("boxes: %s, as in the shards indexed", name["name"])
+        return name
     if name is not None:
         options = {"weights": detector_weights} if name == "detector" else {}
         return {"name": name, "options": options}

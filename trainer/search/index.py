@@ -416,8 +416,8 @@ def search(collection: Collection, query: FragmentSet, k: int, image_side: bool,
         budget_s=None if budget_s is None else budget_s - (time.monotonic() - started))
 
 
-def load_one_model(model: ModelFolder, boxes: str | None, detector_weights: str | None,
-                   parser: str | None) -> Embedder:
+def load_one_model(model: ModelFolder, boxes: str | dict[str, Any] | None,
+                   detector_weights: str | None, parser: str | None) -> Embedder:
     """`Embedder.from_folder`, with a clear error for an ensemble folder (one model per index)."""
     if model.is_ensemble:
         members = ", ".join(str(member.path) for member, _ in model.members)
@@ -474,7 +474,9 @@ class SearchIndex:
                         "decodes with %d: EXIF orientation, 16-bit and transparent images are "
                         "read differently): rebuild it with defrag index", folder,
                         meta.get("decoder", 1), DECODER_VERSION)
-        return cls(folder, meta, dataclasses.replace(embedder, boxes=meta["boxes"],
+        boxes = meta["boxes"] if meta["boxes"]["name"] != "given" else embedder.boxes  # rows
+        # of shards with given boxes: a new image has none, it gets the model's choice
+        return cls(folder, meta, dataclasses.replace(embedder, boxes=boxes,
                                                      max_image_pixels=max_image_pixels),
                    model.path)
 

@@ -46,7 +46,7 @@ from defrag.tasks import WHOLE_JOB, Task, add_task_flags, task_from
 from defrag.urls import redact
 from trainer.batch import owners
 from trainer.data.reader import BadSample, Notes, ReadOptions, shard_samples
-from trainer.data.shardset import Shard, locate_split
+from trainer.data.shardset import Shard, locate_split, read_manifest
 from trainer.search.embedder import (
     IMAGE_BATCH,
     Embedder,
@@ -198,7 +198,6 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
     write the index (else `merge` does, once every task has run); its summary. `sentences`: a
     file of sentences to index instead of the shards' captions; the rest as the flags'."""
     opened = ModelFolder.open(model)
-    embedder = load_one_model(opened, boxes, detector_weights, parser)
     out = Path(out)
     if images:
         folder = Path(images).resolve()
@@ -209,11 +208,13 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
                  for u, first in enumerate(range(0, len(stamps), UNIT_FILES))]
         source, image_folder = {"images": str(folder)}, folder
     else:
-        units = [Unit(u, shard=shard)
-                 for u, shard in enumerate(locate_split(shards, split, manifest).shards)]
+        located = locate_split(shards, split, manifest)
+        units = [Unit(u, shard=shard) for u, shard in enumerate(located.shards)]
+        boxes = read_manifest(located.manifest_url).get("box_source", boxes)  # the rows' boxes
         source = {"shards": redact(shards), "split": split}
         image_folder = (out / "files").resolve()
         links, skipped = {}, []
+    embedder = load_one_model(opened, boxes, detector_weights, parser)
     key = {"model": embedder.model_key, "boxes": embedder.boxes, "parser": embedder.parser_name,
            "decoder": DECODER_VERSION, "source": source}
     record = {"key": key, "model": str(Path(model).resolve()), "boxes": boxes,
@@ -506,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge and any(getattr(args, name) not in (None, False) for name in BUILD_FLAGS):
         parser.error("--merge reads the build's settings from INDEX/parts/build.json: give it "
                      "only --out")
+    if args.shards and (args.boxes or args.detector_weights):
+        parser.error("--boxes and --detector-weights are for --images: an index of --shards "
+                     "keeps the boxes of the shards (their manifest's box source)")
     if not args.merge and not (args.model and (args.images or args.shards)):
         parser.error("--model and one of --images / --shards are required (or --merge)")
     try:
