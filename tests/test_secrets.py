@@ -29,9 +29,10 @@ from mlflow import MlflowClient
 from defrag.cli import one_line_errors
 from defrag.urls import AUTHORIZATION_ENV, MASK, ShardError, open_url, read_url, redact
 from defrag.vocab import Vocabulary
+from featurizer.command import main as featurize_command
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
-from featurizer.synthetic import generate
+from featurizer.synthetic import generate, write_img2dataset
 from tests import DEFRAG
 from tests.servers import basic_authorization, serve_folder
 from tests.test_tracking import copy_store
@@ -134,6 +135,14 @@ MASKED = {  # LEAKY as every place must write it
     "data.vocab": f"https://acc.blob.core.windows.net/c/vocab.json?sv=2022-11-02&sp=r&sig={MASK}",
     "model.word_vectors": f"https://h.example.org/glove.txt?token={MASK}&lang=en",
 }
+
+
+def signed(secret: str) -> str:
+    """The query of a signed URL (S3 presigned, GCS signed, Azure SAS, a token), each credential
+    `secret` (the server of the tests reads none of them)."""
+    return "&".join(f"{name}={secret}" for name in (
+        "X-Amz-Credential", "X-Amz-Security-Token", "X-Amz-Signature", "X-Goog-Signature", "sig",
+        "token"))
 
 
 def files_holding(folder: Path, secret: str = SECRET) -> list[Path]:
@@ -305,9 +314,9 @@ def test_a_password_in_the_url_reads_and_stays_off_curls_command_line(
     assert b"curl" in command and PASSWORD.encode() not in command, command
 
 
-def test_a_vocabulary_reused_from_a_url_leaves_its_password_out_of_the_manifest(
+def test_a_vocabulary_reused_from_a_signed_url_leaves_its_credentials_out_of_the_set(
         locked, home: Path, tmp_path: Path) -> None:
-    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@")
+    url = locked.url.replace("//", f"//{USER}:{PASSWORD}@") + f"/vocab.json?{signed(PASSWORD)}"
     jsonl = generate(tmp_path / "source", 4, 2, seed=0, image_size=64)
     command = f"defrag featurize jsonl {jsonl} --vocab {url} --out {tmp_path / 'out'}"
     featurize(read_jsonl(jsonl, jsonl.parent, "train"),
@@ -315,8 +324,25 @@ def test_a_vocabulary_reused_from_a_url_leaves_its_password_out_of_the_manifest(
                        vocab=url, command=command))
     manifest = (tmp_path / "out" / "manifest.json").read_text()
     assert redact(url) in manifest
-    assert [path for path in (tmp_path / "out").rglob("*")
-            if path.is_file() and PASSWORD.encode() in path.read_bytes()] == []
+    assert files_holding(tmp_path / "out", PASSWORD) == []
+
+
+def test_img2dataset_shards_at_a_signed_url_leave_no_credential_in_the_featurized_set(
+        home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The task's plan (parts/plan.json), the parts and the merged manifest record the command
+    and its input URL, a password and each signed-URL token masked."""
+    write_img2dataset(tmp_path / "in", count=2, per_shard=2, image_size=64)
+    with serve_folder(tmp_path / "in", basic_auth=f"{USER}:{SECRET}") as server:
+        url = server.url.replace("//", f"//{USER}:{SECRET}@") + f"/00000.tar?{signed(SECRET)}"
+        assert featurize_command(["webdataset", "--shards", url, "--out", str(tmp_path / "out"),
+                                  "--parser", "spacy", "--boxes", "fullframe", "--workers", "1",
+                                  "--min-word-count", "1"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert redact(url) in manifest["created_by"]["command"] and MASK in redact(url)
+    assert (tmp_path / "out" / "parts" / "plan.json").is_file()
+    assert files_holding(tmp_path / "out") == []
+    assert SECRET not in "".join(capsys.readouterr()) + caplog.text
 
 
 @pytest.mark.parametrize("mark", ["\n", "\r", "\0"])

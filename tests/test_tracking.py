@@ -25,6 +25,7 @@ from mlflow import MlflowClient
 from mlflow.environment_variables import (
     MLFLOW_HTTP_REQUEST_TIMEOUT,
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION,
+    MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
 )
 from PIL import Image
 
@@ -362,6 +363,21 @@ def test_server_dying_mid_run_spools_what_it_could_not_send(
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
     assert {a.path for a in client.list_artifacts(tracker.run_id)} >= {"before.png", "after.png"}
     assert sync(run_dir) == [f"{run_dir}: nothing spooled"]
+
+
+@pytest.mark.slow
+def test_a_password_in_the_tracking_uri_is_never_printed(
+        tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """MLflow prints the link of each run it ends, under its store's URL as given (a password in
+    it too) unless told not to: the tracker tells it when the URL holds a credential."""
+    secret = "pw-4b1d9e"
+    monkeypatch.setenv(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.name, "")  # restored after the test
+    monkeypatch.delenv(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.name)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri.replace("//", f"//u:{secret}@"))
+    Tracker.start(Config(), tmp_path / "run", rank=0).finish()
+    printed = "".join(capfd.readouterr())
+    assert "View run" not in printed and secret not in printed
 
 
 @pytest.mark.slow

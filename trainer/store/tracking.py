@@ -35,6 +35,7 @@ from mlflow.environment_variables import (
     MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
     MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     MLFLOW_HTTP_REQUEST_TIMEOUT,
+    MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
     MLFLOW_TRACKING_URI,
 )
 from mlflow.exceptions import MlflowException
@@ -83,6 +84,8 @@ def connect(tracking_uri: str) -> MlflowClient:
     if tracking_uri.startswith(("http://", "https://")):
         for name, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
+        if redact(tracking_uri) != tracking_uri:  # MLflow prints each ended run's link, under
+            os.environ[MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.name] = "true"  # the URL as given
         try:
             _probe(client)
         except MlflowException as err:
