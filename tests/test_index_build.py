@@ -19,11 +19,14 @@ import pytest
 
 import trainer.search.index_builder as index_builder
 from defrag.tasks import Task, task_from
+from defrag.urls import MASK
 from defrag.vocab import Vocabulary
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+from tests.servers import serve_folder
 from tests.test_arithmetic import one_thread
+from tests.test_secrets import SECRET, USER, files_holding, signed
 from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
@@ -118,6 +121,25 @@ def test_tasks_then_a_merge_build_what_one_process_does(collection: Collection, 
     assert again["embedded"] == 0  # a rerun resumes: its units are done
     assert index("--merge", "--out", split, capsys=capsys) == whole | {"index": str(split)}
     assert_same_index(split, tmp_path / "whole")
+
+
+def test_shards_at_a_url_with_credentials_leave_them_out_of_the_build_and_the_index(
+        collection: Collection, tmp_path: Path, capsys) -> None:
+    """A password in --shards and signed-URL tokens in --manifest: masked in each part and
+    build.json (task 0 of 2 leaves them), in index.json and in what is printed."""
+    out = tmp_path / "index"
+    with serve_folder(collection.shards, basic_auth=f"{USER}:{SECRET}") as server:
+        url = server.url.replace("//", f"//{USER}:{SECRET}@")
+        source = ["--model", collection.model, "--shards", url, "--manifest",
+                  f"{url}/manifest.json?{signed(SECRET)}", "--workers", "1", "--out", out]
+        index(*source, "--task", 0, "--tasks", 2, capsys=capsys)
+        build = json.loads((out / "parts" / "build.json").read_text())
+        assert build["key"]["source"]["shards"] == url.replace(f":{SECRET}@", f":{MASK}@")
+        assert files_holding(out) == []
+        index(*source, "--task", 1, "--tasks", 2, capsys=capsys)
+    assert index("--merge", "--out", out, capsys=capsys)["images"] == 8
+    assert files_holding(out) == []
+    assert SECRET not in "".join(capsys.readouterr())
 
 
 def test_a_merge_with_a_task_missing_names_it(collection: Collection, tmp_path: Path,
