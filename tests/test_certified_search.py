@@ -2,7 +2,11 @@
 stage keeps a few keys per query row, so it must drop most items; every certified result is
 checked against the exact scan (every item scored by the model's score), for flat, IVF and
 8-bit IVF first stages, for eq. 6 and the cosine and inner scores, for both directions. A
-first stage that ignores the query fails the same check."""
+first stage that ignores the query fails the same check. Apart from any rescoring, every bound
+of a first round is checked against its definition, pair by pair and item by item
+(`bounds_hold`), on these rows, on a trained model's, and on rows built to meet each bound and
+the certificate exactly; the certificate also runs with first rescoring batches of 1-10, so the
+bounds, not a batch covering every candidate, decide when it stops."""
 
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ import numpy as np
 import pytest
 import torch
 
+import trainer.search.certificate as certificate
 import trainer.search.index as index
+from tests.search_world import SearchWorld, search_world
 from trainer.batch import owners
-from trainer.search.certificate import Retrieved
-from trainer.search.fragment_set import FragmentSet
+from trainer.search.certificate import Retrieved, item_bounds
+from trainer.search.fragment_set import FragmentSet, rank
 
 ITEMS, DIM, SMOOTH, TOP = 600, 48, 5.0, 10
 
@@ -54,18 +60,109 @@ def collection(tmp_path: Path, score: str, image_side: bool) -> index.Collection
     return opened
 
 
+def answered(found: Retrieved, keys: np.ndarray, count: int) -> np.ndarray:
+    """Which (query row, key) pairs a first-stage answer returned [m, count]."""
+    returned = np.zeros((len(found.unseen), count), bool)
+    returned[found.rows, keys] = True
+    return returned
+
+
+def first_round(opened: index.Collection, query: FragmentSet, keys: int, probe: int,
+                patch: pytest.MonkeyPatch) -> tuple[Retrieved, np.ndarray]:
+    """One first-stage answer and the key of each of its pairs, as `Collection._bounded` reads
+    them (its pairs are its `ids` >= 0, row by row); none for an answer of every key."""
+    seen = []
+    bounded = index.Collection._bounded
+
+    def recorded(self: index.Collection, scores: np.ndarray, ids: np.ndarray,
+                 *rest: object) -> Retrieved:
+        seen.append(np.asarray(ids))
+        return bounded(self, scores, ids, *rest)
+
+    with patch.context() as context:
+        context.setattr(index.Collection, "_bounded", recorded)
+        found = opened.first_stage(query)(keys, probe)
+    return found, (seen[0][seen[0] >= 0] if seen else np.zeros(0, np.int64))
+
+
+def definition_scores(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
+                      image_side: bool, smooth: float) -> tuple[np.ndarray, np.ndarray]:
+    """The exact (float64) products of the query's first-stage rows with every key [m, N], and
+    each item's score from them by its definition: eq. 6's sum of max(0, v_i . s_j) over the
+    item's pairs times 1/(n (m + smooth)) for an image of n rows, 1/(m (n + smooth)) for a
+    sentence; the cosine and inner scores are the products of the items' keys."""
+    products = index.first_stage_keys(query, opened.score)[0].double().numpy() @ keys.T
+    if opened.score != "eq6":
+        return products, products[0]
+    m, n = len(query.embeddings), np.maximum(opened.counts, 1)  # an item of no rows scores 0
+    norm = 1 / (n * (m + smooth)) if image_side else 1 / (m * (n + smooth))
+    return products, np.bincount(opened.key_item, np.maximum(products, 0).sum(0),
+                                 len(opened.items)) * norm
+
+
+def model_agrees(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
+                 image_side: bool, smooth: float) -> None:
+    """The scores `definition_scores` derives are the model's, as search scores the items."""
+    model = opened.scorer(query, image_side, lambda images, sentences: rank(
+        images, sentences, smooth, opened.score))(np.arange(len(opened.items)))
+    defined = definition_scores(opened, keys, query, image_side, smooth)[1]
+    assert np.allclose(defined, model, rtol=1e-5, atol=1e-5)
+
+
+def bounds_hold(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
+                image_side: bool, smooth: float, asked: tuple[int, int],
+                patch: pytest.MonkeyPatch) -> dict[str, float]:
+    """A first-stage answer's bounds (`asked`: keys, probe) checked against their definitions,
+    with nothing scored for the search: each returned pair's bound >= the exact product of its
+    key (`keys`: every key, float64) and query row; each key a row did not return scores at
+    most that row's `unseen`; each returned item's bound >= its score, every other item's
+    score <= the bound on the rest. Returns how tight each was (least bound minus bounded)."""
+    found, pair_keys = first_round(opened, query, *asked, patch)
+    products, scores = definition_scores(opened, keys, query, image_side, smooth)
+    assert np.array_equal(opened.key_item[pair_keys], found.items)
+    exact = products[found.rows, pair_keys]
+    assert np.all(found.upper >= exact), (found.upper - exact).min()
+    dropped = np.where(answered(found, pair_keys, len(keys)), -np.inf, products).max(axis=1)
+    assert np.all(dropped <= found.unseen), (found.unseen - dropped).min()
+    m = len(query.embeddings)
+    weight, reach = opened.reach(1 / (m + smooth) if image_side else 1 / m)
+    items, bounds, outside = item_bounds(found, opened.score == "eq6", opened.counts, weight,
+                                         reach)
+    assert np.all(scores[items] <= bounds), (bounds - scores[items]).min()
+    rest = np.delete(scores, items)
+    assert np.all(rest <= outside), outside - rest.max()
+    return {"pair": float(np.min(found.upper - exact, initial=np.inf)),
+            "unseen": float(np.min(found.unseen - dropped)),
+            "rest": float(outside - rest.max(initial=-np.inf))}
+
+
+def every_key(opened: index.Collection) -> np.ndarray:
+    """The first stage's keys in float64 [N, d], built again from the stored rows."""
+    stored = opened.select(range(len(opened.items)))
+    return index.first_stage_keys(stored, opened.score)[0].double().numpy()
+
+
 def disagreements(opened: index.Collection, score: str, image_side: bool,
-                  budget_s: float | None) -> tuple[list[int], int, int]:
-    """For 25 queries: those whose certified result differs from the exact scan, how many
-    were certified, and the items scored exactly over all of them."""
+                  budget_s: float | None, k: int = TOP,
+                  patch: pytest.MonkeyPatch | None = None) -> tuple[list[int], int, int]:
+    """For 25 queries (24 with rows): those whose certified result differs from the exact
+    scan, how many were certified, and the items scored exactly over all of them. With
+    `patch`, each query's first round of bounds is checked first (`bounds_hold`)."""
     queries = fragments(25, 4 if image_side else 6, seed=2, side=-1.0)
     wrong, certified, scored = [], 0, 0
+    keys = every_key(opened) if patch is not None else None
     for q in range(25):
         query = queries.select([q])
         if not len(query.embeddings):
             continue
-        found = index.search(opened, query, TOP, image_side, SMOOTH, score, budget_s=budget_s)
-        truth = index.search(opened, query, TOP, image_side, SMOOTH, score, exact_scan=True)
+        if keys is not None:
+            if q == 1:  # the first query with rows
+                model_agrees(opened, keys, query, image_side, SMOOTH)
+            bounds_hold(opened, keys, query, image_side, SMOOTH, (
+                opened.key_candidates if score == "eq6" else max(k, index.CANDIDATES),
+                opened.probe), patch)
+        found = index.search(opened, query, k, image_side, SMOOTH, score, budget_s=budget_s)
+        truth = index.search(opened, query, k, image_side, SMOOTH, score, exact_scan=True)
         same = [h.position for h in found.hits] == [h.position for h in truth.hits]
         assert found.exact or found.gap > 0
         if found.exact:
@@ -91,10 +188,35 @@ def test_certified_results_are_the_exact_scans(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(index, "SQ8_FROM", sq8_from)
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", dims)
     opened = collection(tmp_path, score, image_side)
-    wrong, certified, scored = disagreements(opened, score, image_side, budget_s=None)
-    assert wrong == [] and certified >= 23  # no budget: widened until certified
+    wrong, certified, scored = disagreements(opened, score, image_side, budget_s=None,
+                                             patch=monkeypatch)
+    assert wrong == [] and certified == 24  # no budget: widened until certified
     if score == "eq6":  # the first stage ruled most items out
         assert scored < 0.6 * 25 * ITEMS, scored
+
+
+def test_small_first_batches_leave_the_bounds_to_decide(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first rescoring batch of 50 covers nearly every candidate of these collections, so
+    the bounds hardly decide when to stop; of 1, 5 or 10 items (k = 1, 3, 10: a first batch
+    is at least k), over an IVF of 46 of 48 directions, they do, and every answer is still
+    the exact scan's."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 46)
+    opened = collection(tmp_path, "eq6", True)
+    queries = fragments(25, 4, seed=2, side=-1.0)
+    scored = {1: 0, 5: 0, 10: 0}
+    for q in range(25):
+        query = queries.select([q])
+        if not len(query.embeddings):
+            continue
+        truth = index.search(opened, query, TOP, True, SMOOTH, "eq6", exact_scan=True).hits
+        for first_batch, k in ((1, 1), (5, 3), (10, 10)):
+            monkeypatch.setattr(certificate, "RESCORE_FIRST", first_batch)
+            found = index.search(opened, query, k, True, SMOOTH, "eq6", budget_s=None)
+            assert found.exact and found.hits == truth[:k], (q, first_batch)
+            scored[first_batch] += found.scored
+    assert max(scored.values()) < 24 * 50, scored  # fewer than one batch of 50 a query
 
 
 def test_a_spent_budget_returns_uncertified_results_with_their_gap(tmp_path: Path) -> None:
@@ -178,3 +300,95 @@ def test_ivf_searches_at_once_and_every_list(tmp_path: Path,
     assert everything.complete
     found = opened.first_stage(asked[0])(total - 1, opened.lists)
     assert len(found.items) == (total - 1) * len(asked[0].embeddings)
+
+
+SPREAD = torch.tensor([[4.0, 0.0, 0.5], [-4.0, 0.0, 0.5], [0.0, 4.0, -0.5], [0.0, -4.0, -0.5]])
+
+
+@pytest.mark.parametrize("score", ["eq6", "cosine", "inner"])
+def test_rows_built_to_meet_each_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       score: str) -> None:
+    """600 one-row images on the 4 rows of SPREAD, an IVF over their 2 principal directions:
+    every key leaves out the same part, +-0.5 along the third, so for a query row with a part
+    there its bound's residual term is exact for the keys on its side; the row's 12 best keys
+    tie with copies the first stage leaves out. Each bound (a returned pair's, a row's
+    `unseen`, the items') is then met within rounding: cut any bound, or leave a residual term
+    out, and it is broken."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 2)
+    items = FragmentSet([f"item-{k}" for k in range(ITEMS)], SPREAD[torch.arange(ITEMS) % 4],
+                        owners([1] * ITEMS), torch.zeros(ITEMS, 4))
+    index.write_collection(tmp_path, "images", items, score)
+    opened = index.Collection(tmp_path, "images", items.items, score, lambda n: 1 / n)
+    keys = every_key(opened)
+    for row in ([1.0, 0.0, 1.0], [0.0, -1.0, -2.0]):
+        query = FragmentSet(["query"], torch.tensor([row]), owners([1]), torch.zeros(1, 3))
+        probe = index.first_stage_keys(query, score)[0]
+        term = opened.largest_residual * float(index.left_out(probe, opened.basis)[0])
+        margins = bounds_hold(opened, keys, query, True, SMOOTH, (12, opened.lists),
+                              monkeypatch)
+        assert term > 0.08 and max(margins.values()) < 1e-3 * term, (term, margins)
+
+
+def certificate_rows() -> torch.Tensor:
+    """600 rows in 3 dimensions: one item whose projected product with (1, 0, 1) is the best,
+    4, with -0.5 left out (its score 3.5), 60 at 3.8 (scores 3.3) and 61 at 3.7 with +0.5 left
+    out (scores 4.2, the best), each mirrored along the first direction, and 356 along the second:
+    the principal directions are the first two, and every key leaves out 0.5 along the third."""
+    lead = torch.tensor([[4.0, 0.0, -0.5]] + [[3.8, 0.0, -0.5]] * 60 + [[3.7, 0.0, 0.5]] * 61)
+    side = torch.tensor([[0.0, 4.0, 0.5], [0.0, 4.0, -0.5], [0.0, -4.0, 0.5],
+                         [0.0, -4.0, -0.5]]).repeat(89, 1)
+    return torch.cat([lead, lead * torch.tensor([-1.0, 1.0, 1.0]), side])
+
+
+@pytest.mark.parametrize("score", ["eq6", "inner"])
+def test_the_certificate_holds_only_above_every_bound(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      score: str) -> None:
+    """`certificate_rows` over an IVF of 2 directions, 50 keys first: the first round returns the
+    item scoring 3.5 (bound 4.5) and 49 at 3.8 and bounds the rest by 4.3, so 3.5 is within 20%
+    of the bound while the items left out score 4.2. Only a certificate that needs the k-th
+    score above every bound widens and finds them."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 2)
+    rows = certificate_rows()
+    items = FragmentSet([f"item-{k}" for k in range(len(rows))], rows, owners([1] * len(rows)),
+                        torch.zeros(len(rows), 4))
+    index.write_collection(tmp_path, "images", items, score)
+    opened = index.Collection(tmp_path, "images", items.items, score, lambda n: 1 / n)
+    opened.key_candidates, opened.probe = 50, opened.lists
+    query = FragmentSet(["query"], torch.tensor([[1.0, 0.0, 1.0]]), owners([1]),
+                        torch.zeros(1, 3))
+    bounds_hold(opened, every_key(opened), query, True, SMOOTH, (50, opened.lists), monkeypatch)
+    found = index.search(opened, query, 1, True, SMOOTH, score, budget_s=None)
+    assert found.exact and [hit.position for hit in found.hits] == [61]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> SearchWorld:
+    """The small trained model's index of tests/search_world.py (shared with test_serve.py)."""
+    return search_world(tmp_path_factory.getbasetemp() / "search-world")
+
+
+@pytest.mark.slow
+def test_a_trained_models_bounds_hold_and_certify(trained: SearchWorld,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trained model's rows, 2 keys per query row: each caption's first stage over the
+    images, and each image's over the sentences, bounds every pair and item by the
+    definitions; with a first batch of 1, each certified top 3 is the exact scan's."""
+    searched = index.SearchIndex.open(trained.index)
+    objective = searched.embedder.cfg.objective
+    monkeypatch.setattr(certificate, "RESCORE_FIRST", 1)
+    images = [searched.images.select([k]) for k in range(len(searched.image_names))]
+    captions = [searched.query_rows(text) for texts in trained.captions.values()
+                for text in texts]
+    for side, image_side, queries in ((searched.images, True, captions),
+                                      (searched.sentence_set, False, images)):
+        side.key_candidates, keys = 2, every_key(side)
+        model_agrees(side, keys, queries[0], image_side, objective.smooth)
+        for query in queries:
+            bounds_hold(side, keys, query, image_side, objective.smooth, (2, 1), monkeypatch)
+            found, truth = (index.search(side, query, 3, image_side, objective.smooth,
+                                         objective.score, exact_scan=scan, budget_s=None)
+                            for scan in (False, True))
+            assert found.exact and found.hits == truth.hits

@@ -20,6 +20,13 @@ from safetensors.torch import load_file
 import trainer.search.index as index
 import trainer.search.index_builder as index_builder
 import trainer.search.retrieve as retrieve
+from tests.test_certified_search import (
+    answered,
+    bounds_hold,
+    definition_scores,
+    every_key,
+    first_round,
+)
 from tests.test_model_folders import count_hashes
 from tests.test_retrieve import NUM_VAL, World, whole_sentence
 from trainer.data.eval_set import load_eval_set
@@ -75,29 +82,25 @@ def test_folder_index_ranks_like_the_exact_scan(world: World, folder_index: Path
         world.names[2], k=5).hits]
 
 
-def test_the_first_stage_bounds_every_pair_it_keeps_and_drops(world: World,
-                                                              folder_index: Path) -> None:
-    """With 2 keys per query fragment of the 30 image fragments, the first stage's bounds are
-    checked against loops over the definition: a kept pair's bound is at least its inner
-    product v_i . s_j; every dropped pair's product is at most the row's `unseen` bound; and
-    the certified top 2 is the exact scan's."""
+def test_the_first_stage_bounds_every_pair_it_keeps_and_drops(world: World, folder_index: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """With 2 keys per query fragment of the 30 image fragments, a trained model's rows: each
+    row's 2 best keys are among those the first stage returns, and its bounds hold by their
+    definitions (`bounds_hold`: each returned pair's bound >= its own product v_i . s_j, each
+    dropped key's product <= its row's `unseen`, the items' bounds >= their scores); the
+    certified top 2 is the exact scan's."""
     searched = index.SearchIndex.open(folder_index)
     searched.images.key_candidates = 2
-    images = searched.images.select(range(NUM_VAL))
+    keys, smooth = every_key(searched.images), searched.embedder.cfg.objective.smooth
     exact = exact_scores(world, world.model_dir)
     for q, text in enumerate(world.captions):
         query = searched.query_rows(text)
-        found = searched.images.first_stage(query)(2, 1)
-        kept = set()
-        for item, j, upper in zip(found.items, found.rows, found.upper, strict=True):
-            rows = [i for i in range(len(images.embeddings)) if images.owner[i] == item]
-            products = [float(images.embeddings[i] @ query.embeddings[j]) for i in rows]
-            assert upper >= min(products) - 1e-6
-        for j, s_j in enumerate(query.embeddings):
-            products = sorted(float(v_i @ s_j) for v_i in images.embeddings)
-            kept = products[-2:]
-            assert all(p <= found.unseen[j] + 1e-6 for p in products[:-2])
-            assert min(kept) >= max(products[:-2], default=-np.inf)
+        found, pair_keys = first_round(searched.images, query, 2, 1, monkeypatch)
+        products = definition_scores(searched.images, keys, query, True, smooth)[0]
+        dropped = np.where(answered(found, pair_keys, len(keys)), -np.inf, products)
+        assert np.all(dropped.max(axis=1) <= np.sort(products, axis=1)[:, -2]), q
+        bounds_hold(searched.images, keys, query, True, smooth, (2, 1), monkeypatch)
         order = torch.argsort(exact[:, q], descending=True, stable=True)[:2].tolist()
         ranking = searched.images_for(text, k=2)
         assert ranking.exact and [hit.position for hit in ranking.hits] == order
