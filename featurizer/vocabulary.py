@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from defrag.shard_format import VOCAB
 from defrag.urls import join_url, read_url
@@ -81,7 +82,8 @@ def reused_vocabulary(location: str | Path) -> Vocabulary:
     model), on disk or at an http(s) URL."""
     location = str(location)
     if location.startswith(("http://", "https://")):
-        url = location if location.endswith(".json") else join_url(location, VOCAB)
+        is_file = urlsplit(location).path.endswith(".json")  # a signed URL ends in its query
+        url = location if is_file else join_url(location, VOCAB)
         return Vocabulary.from_json(read_url(url), url)
     return Vocabulary.load(vocabulary_file(Path(location)))
 

@@ -19,10 +19,11 @@ from urllib.parse import unquote, urlsplit
 
 @dataclass
 class HttpFolder:
-    """What `serve_folder` yields: the base URL and the log of GET request paths."""
+    """What `serve_folder` yields: the base URL, the log of GET request paths and their queries."""
 
     url: str
     log: list[str] = field(default_factory=list)
+    queries: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, path_suffix: str) -> int:
@@ -67,6 +68,7 @@ class _Handler(SimpleHTTPRequestHandler):
         with folder._lock:
             earlier = sum(unquote(p).lstrip("/") == rel for p in folder.log)
             folder.log.append(path)
+            folder.queries.append(urlsplit(self.path).query)
         if rel in faults["missing"]:
             self.send_error(404, "File not found")
             return

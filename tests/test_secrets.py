@@ -325,6 +325,7 @@ def test_a_vocabulary_reused_from_a_signed_url_leaves_its_credentials_out_of_the
     manifest = (tmp_path / "out" / "manifest.json").read_text()
     assert redact(url) in manifest
     assert files_holding(tmp_path / "out", PASSWORD) == []
+    assert locked.log[-1] == "/vocab.json" and locked.queries[-1] == signed(PASSWORD)  # as signed
 
 
 def test_img2dataset_shards_at_a_signed_url_leave_no_credential_in_the_featurized_set(
