@@ -5,12 +5,14 @@ every bad input of issue #17 gets one clear 4xx line and the server answers afte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import http.client
 import io
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -276,6 +278,36 @@ def test_the_upload_threads_end_when_the_server_stops(world: SearchWorld,
             and t not in before] == []
 
 
+def test_an_upload_beyond_the_slots_is_not_read(world: SearchWorld, index: SearchIndex) -> None:
+    """Two uploads that send 100 bytes of their body, then stall, to a server of one slot: one
+    reads in the slot until its 1 s deadline (408, closed); the other is refused in 0.2 s (503,
+    Retry-After) with its body unread. The slot is free again for a whole upload."""
+    photo = (world.photos / world.expected).read_bytes()
+    app = serve.create_app(index, UPLOAD_LIMIT, upload_slots=1, upload_wait=0.2, upload_read=1)
+
+    def stalled(base: str) -> tuple[int, float, dict[str, str]]:
+        where = urlsplit(base)
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=5)
+        connection.putrequest("POST", "/api/sentences")
+        for name, value in (("Content-Type", "image/png"), ("Content-Length", len(photo))):
+            connection.putheader(name, str(value))
+        connection.endheaders(photo[:100])
+        started = time.monotonic()
+        with contextlib.closing(connection):
+            response = connection.getresponse()
+            response.read()
+            return response.status, time.monotonic() - started, dict(response.getheaders())
+
+    with serving(app) as base, ThreadPoolExecutor(2) as pool:
+        (busy, waited, busy_headers), (slow, read, slow_headers) = sorted(
+            pool.map(stalled, [base, base]), key=lambda answer: answer[0], reverse=True)
+        whole = requests.post(f"{base}/api/sentences", data=photo,
+                              headers={"Content-Type": "image/png"})
+    assert (busy, busy_headers["retry-after"]) == (503, str(serve.RETRY_AFTER_SECONDS))
+    assert waited < 0.9 < read and (slow, slow_headers["connection"]) == (408, "close")
+    assert whole.status_code == 200
+
+
 def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:
     """A Content-Length over the limit is refused before the body; a chunked body (no length)
     as soon as it passes the limit, though it never ends."""
@@ -370,6 +402,20 @@ def test_another_model_is_refused_naming_both_checksums(world: SearchWorld) -> N
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--index", str(world.photos)])
     assert "is not a search index" in str(exit_.value.code)
+
+
+@pytest.mark.parametrize("keep", [20, -100], ids=["in-its-header", "in-its-rows"])
+def test_a_truncated_index_file_is_named(world: SearchWorld, tmp_path: Path, keep: int) -> None:
+    """An images.safetensors cut short (a copy that did not finish) stops the command in one
+    line naming the file and what to do, not numpy's "mmap length is greater than file size"."""
+    shutil.copytree(world.index, tmp_path / "index")
+    rows = tmp_path / "index" / "images.safetensors"
+    rows.write_bytes(rows.read_bytes()[:keep])
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--index", str(tmp_path / "index")])
+    line = str(exit_.value.code)
+    assert line.startswith(f"defrag serve: error: {rows}") and "\n" not in line
+    assert ": the file is truncated or damaged: rebuild the index with defrag index" in line
 
 
 def test_the_command_serves_on_localhost_by_default(world: SearchWorld,

@@ -25,6 +25,7 @@ input answers a 4xx with {"error": "one line"} and the server goes on.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -35,7 +36,7 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +45,7 @@ from urllib.parse import quote
 import faiss
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -55,7 +56,7 @@ from uvicorn.supervisors import Multiprocess
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
-from trainer.search.certificate import Hit
+from trainer.search.certificate import Hit, Ranking
 from trainer.search.embedder import ImageTooLargeError, RetrievalError
 from trainer.search.index import MAX_QUERY_CHARS, SearchIndex
 
@@ -66,6 +67,9 @@ MIB = 2**20
 MAX_K = 100  # results one request may ask for
 MAX_DEFAULT_WORKERS = 8  # a large node's CPUs go to threads beyond this, not to more copies
 UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x this x one upload
+UPLOAD_WAIT_SECONDS = 10.0  # an upload waits this long for a slot, its body unread, then 503
+UPLOAD_READ_SECONDS = 60.0  # a slot's upload must arrive within this, then 408 (a slow sender)
+RETRY_AFTER_SECONDS = 5  # what a 503 for a busy server tells the client to wait
 SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
 LOG_FORMAT = "%(levelname)s %(message)s"
 
@@ -79,25 +83,27 @@ class ErrorBody(BaseModel):
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error answers an endpoint gives."""
     meaning = {400: "a bad input (the message says which)", 404: "not an indexed image",
+               408: "the upload's body did not arrive in time (the connection is closed)",
                413: "the upload is over the size or pixel limit", 415: "the upload is not image/*",
-               422: "a parameter is missing or out of range"}
+               422: "a parameter is missing or out of range",
+               503: "every upload slot stayed busy: send it again after Retry-After seconds"}
     return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
 
 
-def create_app(index: SearchIndex, max_upload_bytes: int,
-               upload_slots: int = UPLOAD_SLOTS) -> FastAPI:
+def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UPLOAD_SLOTS,
+               upload_wait: float = UPLOAD_WAIT_SECONDS,
+               upload_read: float = UPLOAD_READ_SECONDS) -> FastAPI:
     """The app over an opened index; uploads over `max_upload_bytes`, or over the index
     embedder's pixel bound (from the image header, before decoding), are refused (413); at most
-    `upload_slots` uploads are decoded at once, by as many threads of their own (so that the
-    memory the allocator keeps after a decode is kept by those few threads only), the others
-    wait their turn."""
-    decoders = ThreadPoolExecutor(upload_slots, thread_name_prefix="upload")
+    `upload_slots` uploads are read and decoded at once (UploadSlots), the others wait their
+    turn, their bodies unread, for `upload_wait` seconds at most."""
+    slots = UploadSlots(upload_slots, upload_wait, upload_read)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         """Shut the decoding threads down when the server stops (its requests are answered)."""
         yield
-        decoders.shutdown(wait=True, cancel_futures=True)
+        slots.threads.shutdown(wait=True, cancel_futures=True)
 
     app = FastAPI(
         title="DeFrag search", version="1", docs_url=None, redoc_url=None, lifespan=lifespan,
@@ -106,7 +112,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int,
                     "answer {\"error\": message}.")
     _answer_errors_in_one_line(app)
     _add_searches(app, index, max_upload_bytes)
-    _add_upload_search(app, index, max_upload_bytes, decoders)
+    _add_upload_search(app, index, max_upload_bytes, slots)
     _add_explain(app, index)
     _add_files(app, index)
     return app
@@ -178,34 +184,80 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
                 "results": sentence_results(found.hits)}
 
 
-def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
-                       decoders: ThreadPoolExecutor) -> None:
-    """POST /api/sentences: an uploaded image -> sentences, its bytes read no further than
-    `max_upload_bytes`, decoded and embedded by one of the `decoders` threads."""
+class UploadSlots:
+    """At most `count` uploads of a worker read and embedded at once. A slot is taken before an
+    upload's body is read, so an upload waiting for one holds no more of its body than uvicorn's
+    buffer of a connection, whatever the number of clients. A slot is waited for `wait` seconds
+    at most (then 503 with Retry-After), its body must arrive within `read` seconds (then 408: a
+    slow sender does not keep it), and its image is embedded by the slot's own thread (so that
+    the memory the allocator keeps after a decode is kept by those few threads only)."""
 
-    async def upload_body(request: Request) -> bytes:
-        """The raw image bytes of an upload, read no further than `max_upload_bytes`."""
+    def __init__(self, count: int, wait: float, read: float) -> None:
+        self.count, self.wait, self.read = count, wait, read
+        self.free = asyncio.Semaphore(count)
+        self.threads = ThreadPoolExecutor(count, thread_name_prefix="upload")
+
+    @contextlib.asynccontextmanager
+    async def taken(self) -> AsyncIterator[None]:
+        """A slot, held while the request reads and embeds its upload; 503 if none frees."""
+        try:
+            async with asyncio.timeout(self.wait):
+                await self.free.acquire()
+        except TimeoutError:
+            raise HTTPException(503, f"the server is busy with other uploads ({self.count} at a "
+                                     "time): send it again in a few seconds",
+                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        try:
+            yield
+        finally:
+            self.free.release()
+
+    async def body(self, request: Request, limit: int) -> bytearray:
+        """The upload's bytes, read no further than `limit` (413) and within `read` seconds
+        (408, and the connection is closed)."""
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.read):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_big(limit)
+        except TimeoutError:
+            raise HTTPException(408, f"the upload did not arrive within {self.read:g} s: send it "
+                                     "again over a faster connection",
+                                headers={"Connection": "close"}) from None
+        if not body:
+            raise HTTPException(400, "the upload is empty: send an image file's bytes")
+        return body
+
+    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)` in a slot's thread."""
+        return await asyncio.wrap_future(self.threads.submit(function, *args))
+
+
+def too_big(limit: int) -> HTTPException:
+    return HTTPException(413, f"the upload is over the limit of {limit / MIB:g} MiB: send a "
+                              "smaller image")
+
+
+def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
+                       slots: UploadSlots) -> None:
+    """POST /api/sentences: an uploaded image -> sentences, in one of the upload `slots`."""
+
+    def refuse_by_headers(request: Request) -> None:
+        """415 unless the body is image/*, 413 for a Content-Length over the limit: before the
+        upload waits for a slot."""
         kind = request.headers.get("content-type", "")
         if not kind.startswith("image/"):
             got = f"got {kind!r}" if kind else "got none"
             raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
                                      f"image/jpeg, image/png or image/webp ({got})")
-        too_big = HTTPException(413, f"the upload is over the limit of "
-                                     f"{max_upload_bytes / MIB:g} MiB: send a smaller image")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_upload_bytes:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_upload_bytes:
-                raise too_big
-        if not body:
-            raise HTTPException(400, "the upload is empty: send an image file's bytes")
-        return bytes(body)
+            raise too_big(max_upload_bytes)
 
     @app.post("/api/sentences", summary="Uploaded image -> best sentences",
-              responses=_errors(400, 413, 415, 422),
+              responses=_errors(400, 408, 413, 415, 422, 503),
               description="The k sentences of the index that best describe a new image: POST "
                           "the JPEG, PNG or WebP file's bytes as the body with Content-Type "
                           "image/*, "
@@ -213,18 +265,28 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
                           f"{index.embedder.max_image_pixels} pixels (--max-image-pixels).",
               openapi_extra={"requestBody": {"required": True, "content": {
                   "image/*": {"schema": {"type": "string", "format": "binary"}}}}})
-    def sentences_for_upload(
-            k: int = Query(10, ge=1, le=MAX_K, description="how many sentences"),
-            body: bytes = Depends(upload_body)) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="defrag-upload-") as folder:
-            path = Path(folder) / "upload"
-            path.write_bytes(body)
-            try:
-                found = decoders.submit(index.sentences_for_file, path, k).result()
-            except RetrievalError as err:  # the message names the temporary file
-                raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
+    async def sentences_for_upload(
+            request: Request,
+            k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
+    ) -> dict[str, Any]:
+        refuse_by_headers(request)
+        async with slots.taken():
+            body = await slots.body(request, max_upload_bytes)
+            found = await slots.run(sentences_for_bytes, index, body, k)
         return {"image": None, "bytes": len(body), **found.proof(),
                 "results": sentence_results(found.hits)}
+
+
+def sentences_for_bytes(index: SearchIndex, body: bytearray, k: int) -> Ranking:
+    """The k best sentences for an upload's bytes, written to a temporary file for the model to
+    read (and deleted); an error names "the uploaded file", not that file."""
+    with tempfile.TemporaryDirectory(prefix="defrag-upload-") as folder:
+        path = Path(folder) / "upload"
+        path.write_bytes(body)
+        try:
+            return index.sentences_for_file(path, k)
+        except RetrievalError as err:
+            raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
 
 
 def _add_explain(app: FastAPI, index: SearchIndex) -> None:
