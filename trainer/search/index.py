@@ -233,16 +233,25 @@ def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def memory_map(path: Path) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as read-only memory maps (the format is an 8-byte
-    header size, a JSON header, then the raw little-endian arrays), nothing read up front."""
+    header size, a JSON header, then the raw little-endian arrays), nothing read up front;
+    RetrievalError naming the file when it is cut short (a copy that did not finish)."""
     dtypes = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
+    rebuild = "the file is truncated or damaged: rebuild the index with defrag index"
     with path.open("rb") as stream:
         size = int.from_bytes(stream.read(8), "little")
-        header = json.loads(stream.read(size))
+        try:
+            header = json.loads(stream.read(size))
+        except ValueError as err:
+            raise RetrievalError(f"{path}: its header cannot be read ({err}): {rebuild}") from err
+    length = path.stat().st_size
     arrays = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
+        if 8 + size + end > length:
+            raise RetrievalError(f"{path} has {length} bytes, but its tensor {name!r} ends at "
+                                 f"byte {8 + size + end}: {rebuild}")
         shape, dtype = tuple(entry["shape"]), dtypes[entry["dtype"]]
         arrays[name] = (np.zeros(shape, dtype) if begin == end else
                         np.memmap(path, dtype, "r", offset=8 + size + begin, shape=shape))
