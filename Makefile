@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo bench clean
+.PHONY: venv test test-fast lint demo bench clean docker-check
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ demo: $(STAMP)
 	     "--default-artifact-root $(DEMO)/run/mlartifacts, then open http://127.0.0.1:5000"
 	@echo "Search the demo collection in the browser: $(BIN)/defrag serve" \
 	     "--index $(DEMO)/index, then open http://127.0.0.1:8000"
+
+# docker/Dockerfile built for real (its CPU variant, on a Debian base made with debootstrap) and
+# the demo run in the image; root, podman, runc and debootstrap (docker/README.md).
+docker-check: $(STAMP)
+	bash docker/check.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
