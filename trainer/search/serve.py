@@ -16,10 +16,11 @@ files memory-mapped read-only, so the workers share their pages), its own model 
 CPUs / N torch and faiss threads (--threads). The parent opens the index once first, so that a
 bad one stops the command in one line.
 
-Within a worker, endpoints that run the model are plain `def`: FastAPI runs them in its thread
-pool, several at once. SearchIndex serialises its parser itself; the model only runs forward
-passes in eval mode, which torch allows from several threads, so no lock is taken here. Every bad
-input answers a 4xx with {"error": "one line"} and the server goes on.
+Within a worker, the searches are plain `def`: FastAPI runs them in its thread pool, several at
+once; an upload runs in one of the worker's --upload-slots, taken before its body is read
+(UploadSlots). SearchIndex serialises its parser itself; the model only runs forward passes in
+eval mode, which torch allows from several threads, so no lock is taken here. Every bad input
+answers a 4xx with {"error": "one line"} (a busy server 503) and the server goes on.
 """
 
 from __future__ import annotations
@@ -422,9 +423,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="largest image upload, in MiB (default 10)")
     add_pixel_limit_flag(parser)
     parser.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS,
-                        help=f"uploads each worker decodes at once, the others wait (default "
-                             f"{UPLOAD_SLOTS}): peak memory grows by about workers x this x 8 "
-                             f"bytes x --max-image-pixels")
+                        help=f"uploads each worker reads and decodes at once (default "
+                             f"{UPLOAD_SLOTS}); the others wait, their bodies unread, "
+                             f"{UPLOAD_WAIT_SECONDS:g} s at most, then answer 503: peak memory "
+                             f"grows by about workers x this x 8 bytes x --max-image-pixels")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.workers < 1:
