@@ -34,8 +34,11 @@ whose split is unknown, e.g. a line that is not UTF-8, counts only in the totals
   `bad_boxes`, `no_captions`, `outside_images`): an image left without a usable caption is ONE
   `no_captions` item, whose detail names the captions it lost; an image whose path leads outside
   the image folder (absolute, `..`, a symbolic link out) is `outside_images` unless the command
-  is given `--allow-outside-images`;
-- a caption left out of an image that was written (`empty_caption`, `no_words`, `not_utf8`);
+  is given `--allow-outside-images`; `unexpected_error` when its box source or its reading
+  failed in a way nothing else names;
+- a caption left out of an image that was written (`empty_caption`, `no_words`, `not_utf8`,
+  `caption_too_long`: over `--max-caption-chars`, never parsed; `unexpected_error`: its parse
+  failed);
 - or a line, entry or file read as neither (`malformed`, `odd_key`, `duplicate_key`, `not_utf8`,
   `missing_split_file`).
 Each is logged as `FILE:LINE [ITEM]: reason: detail` (the first 20 of a run) and listed in full.

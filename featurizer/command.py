@@ -28,6 +28,7 @@ from defrag.images import add_pixel_limit_flag
 from defrag.tasks import add_task_flags, task_from
 from defrag.urls import redact
 from featurizer.ingest import featurize_shards, merge
+from featurizer.parsing import MAX_CAPTION_CHARS
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import (
     FLICKR8K_IMAGES,
@@ -51,6 +52,13 @@ def _pair(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _positive(text: str) -> int:
+    """argparse type for a count that must be at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def _option_value(text: str) -> object:
     """A --box-option value: JSON when it parses (numbers, null, true), else the string."""
     try:
@@ -70,6 +78,9 @@ def _common_flags() -> argparse.ArgumentParser:
                        help="dependency parser (default: stanza; spacy works offline)")
     flags.add_argument("--parse-batch-size", type=int, default=256,
                        help="captions per parser batch")
+    flags.add_argument("--max-caption-chars", type=_positive, default=MAX_CAPTION_CHARS,
+                       metavar="N", help=f"a longer caption is skipped unparsed, counted as "
+                                         f"caption_too_long (default {MAX_CAPTION_CHARS})")
     flags.add_argument("--boxes", choices=("selective_search", "detector", "given", "fullframe"),
                        default="selective_search", help="box source (default: selective_search)")
     flags.add_argument("--max-boxes", type=int,
@@ -77,7 +88,7 @@ def _common_flags() -> argparse.ArgumentParser:
     flags.add_argument("--detector-weights", help="state-dict file of the detector box source")
     flags.add_argument("--box-option", type=_pair, action="append", default=[],
                        metavar="KEY=VALUE", help="any other box-source option, e.g. mode=quality")
-    flags.add_argument("--shard-size", type=int, default=1000,
+    flags.add_argument("--shard-size", type=_positive, default=1000,
                        help="images per shard (default 1000; webdataset: one output shard per "
                             "input shard and split unless given)")
     flags.add_argument("--workers", type=int, default=2, help="worker processes")
@@ -99,10 +110,21 @@ def _common_flags() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`defrag featurize`'s parser: a subcommand per source, `merge` and `wordvecs`."""
     parser = argparse.ArgumentParser(prog="defrag featurize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="source", required=True)
+    _add_file_sources(commands)
+    _add_webdataset(commands)
+    _add_synthetic(commands)
+    _add_wordvecs(commands)
+    for command in commands.choices.values():
+        add_debug_flag(command)
+    return parser
 
+
+def _add_file_sources(commands: argparse._SubParsersAction) -> None:
+    """The sources read from local files: flickr, karpathy and jsonl."""
     flickr = commands.add_parser("flickr", parents=[_common_flags()],
                                  help="Flickr8k/Flickr30k release (token file, split lists)")
     flickr.add_argument("--root", type=Path, required=True, help="release folder")
@@ -129,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     jsonl.add_argument("--default-split", default="train",
                        help='split of lines without "split" (default: train)')
 
+    for command in (karpathy, jsonl):
+        command.add_argument("--split-map", type=_pair, action="append", default=[],
+                             metavar="OLD=NEW", help="rename a split, e.g. restval=train")
+    for command in (flickr, karpathy, jsonl):
+        command.add_argument("--allow-outside-images", action="store_true",
+                             help="read images whose path leads outside the image folder "
+                                  "(absolute, '..', a link out); by default each is skipped "
+                                  "as outside_images")
+
+
+def _add_webdataset(commands: argparse._SubParsersAction) -> None:
+    """The img2dataset source, split over the tasks of a job, and the merge after them."""
     webdataset = commands.add_parser(
         "webdataset", parents=[_common_flags()],
         help="img2dataset shards (jpg/png/webp + txt/json) from any URL; one task of a job "
@@ -152,15 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(needed when that URL held a credential)")
     merge.add_argument("--word-vectors", help="instead of the tasks' --word-vectors")
 
-    for command in (karpathy, jsonl):
-        command.add_argument("--split-map", type=_pair, action="append", default=[],
-                             metavar="OLD=NEW", help="rename a split, e.g. restval=train")
-    for command in (flickr, karpathy, jsonl):
-        command.add_argument("--allow-outside-images", action="store_true",
-                             help="read images whose path leads outside the image folder "
-                                  "(absolute, '..', a link out); by default each is skipped "
-                                  "as outside_images")
 
+def _add_synthetic(commands: argparse._SubParsersAction) -> None:
     synthetic = commands.add_parser(
         "synthetic", parents=[_common_flags()],
         help="generate a small synthetic dataset and featurize it (spaCy, given boxes)")
@@ -170,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--image-size", type=int, default=128, help="image side in pixels")
     synthetic.set_defaults(parser="spacy", boxes="given")
 
+
+def _add_wordvecs(commands: argparse._SubParsersAction) -> None:
     wordvecs = commands.add_parser(
         "wordvecs", help="learn word2vec vectors from a featurized set's training captions")
     wordvecs.add_argument("--shards", type=Path, required=True, help="featurizer output folder")
@@ -177,9 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     wordvecs.add_argument("--dim", type=int, default=200, help="vector size (paper: 200)")
     wordvecs.add_argument("--epochs", type=int, default=10, help="passes over the captions")
     wordvecs.add_argument("--seed", type=int, default=0)
-    for command in commands.choices.values():
-        add_debug_flag(command)
-    return parser
 
 
 def read_source(args: argparse.Namespace) -> Source:
@@ -209,7 +235,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> Settings:
         options["weights"] = args.detector_weights
     return Settings(
         out=args.out if args.source == "webdataset" else Path(args.out), parser=args.parser,
-        parse_batch_size=args.parse_batch_size,
+        parse_batch_size=args.parse_batch_size, max_caption_chars=args.max_caption_chars,
         boxes=args.boxes, box_options=options, shard_size=args.shard_size,
         workers=args.workers, splits=args.splits, limit=args.limit, train_split=args.train_split,
         min_word_count=args.min_word_count, relation_min_fraction=args.relation_min_fraction,

@@ -11,11 +11,14 @@ brace-expanded list entry, `http(s)://` (curl, with a timeout) or `pipe:` comman
 Each sample that cannot be used is a `Problem` named by shard URL (credentials masked) and key:
 no image entry (`missing_image`), no caption (`no_captions`), a caption that is not UTF-8
 (`not_utf8`), a json that does not parse or a split that cannot name a folder (`malformed`), a key
-already read from this shard (`duplicate_image`), a file over MAX_MEMBER_BYTES (`malformed`,
-never read into memory); a shard that ends early or has a damaged member header is one
-`malformed` problem and the samples before it are kept (stream-mode tarfile would take such a
-header for the end of the archive: `_StrictTarInfo`). Images are decoded later, one at a time,
-by the unit that writes them (featurizer/ingest.py).
+already read from this shard (`duplicate_image`), a file that would take its sample's files
+past MAX_SAMPLE_BYTES (`malformed`, never read into memory: only the entries a sample is read
+for are, SOURCE_IMAGES, txt and json), links or other special files in place of a sample's
+files (`malformed`), any other failure on the sample (`unexpected_error`); a shard that ends
+early or has a damaged member header is one `malformed` problem and the samples before it are
+kept (stream-mode tarfile would take such a header for the end of the archive:
+`_StrictTarInfo`). Images are decoded later, one at a time, by the unit that writes them
+(featurizer/ingest.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from webdataset.tariterators import group_by_keys
+from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from defrag.shard_format import MANIFEST, VOCAB
 from defrag.urls import open_url, redact
@@ -36,16 +39,19 @@ from featurizer.records import (
     MISSING_IMAGE,
     NO_CAPTIONS,
     NOT_UTF8,
+    UNEXPECTED_ERROR,
     Origin,
     Problem,
     image_key,
+    shown_text,
 )
 
 SOURCE_IMAGES = ("jpg", "jpeg", "png", "webp")  # entries read as the image, the first one found
 # A split from a sample names one output folder: a plain name, not "."/"..", nor a file of the set.
 SPLIT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 RESERVED = {MANIFEST, VOCAB, "parts"}
-MAX_MEMBER_BYTES = 256 << 20  # a tar member larger than this is skipped, never read into memory
+MAX_SAMPLE_BYTES = 256 << 20  # of a sample's files: one that would pass it is left out unread
+READ = {*SOURCE_IMAGES, "txt", "json"}  # the entries a sample is read for; others stay unread
 _KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -89,7 +95,7 @@ def read_samples(url: str, default_split: str, timeout: float) -> Iterator[Sampl
             for entries in group_by_keys(_members(stream, where, problems), handler=repeated):
                 yield from problems
                 problems.clear()
-                sample = _sample(entries, where, default_split)
+                sample = _guarded_sample(entries, where, default_split)
                 if isinstance(sample, Sample):
                     if sample.key in seen:
                         sample = Problem(sample.origin, DUPLICATE_IMAGE,
@@ -118,30 +124,81 @@ class _StrictTarInfo(tarfile.TarInfo):
                                     ) from None
 
 
+@dataclass
+class _Key:
+    """The members of one key read so far: its files' bytes and its links."""
+
+    name: str | None = None
+    files: int = 0
+    size: int = 0
+    links: list[str] = field(default_factory=list)
+
+
 def _members(stream, where: str, problems: list[Problem]) -> Iterator[dict]:
-    """The regular files of a tar stream as webdataset's grouping takes them; a member over
-    MAX_MEMBER_BYTES is a problem, skipped unread; damage ends the stream with a problem (the
-    files before it still grouped into samples)."""
+    """The files of a tar stream as webdataset's grouping takes them (`_entry`); a key with
+    links or other special files is a problem; damage ends the stream with a problem (the files
+    before it still grouped into samples)."""
     files = 0
+    key = _Key()
     try:
         with tarfile.open(fileobj=stream, mode="r|*", tarinfo=_StrictTarInfo) as archive:
             for member in archive:
-                if member.isreg() and not member.name.startswith("__"):
-                    if member.size > MAX_MEMBER_BYTES:
-                        problems.append(Problem(
-                            Origin(where, item=_shown(member.name)), MALFORMED,
-                            f"{member.size} bytes, over the bound of {MAX_MEMBER_BYTES} for one "
-                            f"file; left out"))
-                    else:
-                        yield {"fname": member.name, "data": archive.extractfile(member).read(),
-                               "__url__": where}
-                        files += 1
                 archive.members = []  # a stream of millions of members keeps none of them
+                name = base_plus_ext(member.name)[0]
+                if member.isdir() or name is None or member.name.startswith("__"):
+                    continue
+                if name != key.name:
+                    _report_links(key, where, problems)
+                    key = _Key(name)
+                entry = _entry(archive, member, key, where, problems)
+                if entry is not None:
+                    yield entry
+                    files += 1
+            _report_links(key, where, problems)
     except (tarfile.TarError, EOFError) as err:
         problems.append(Problem(Origin(where), MALFORMED,
                                 f"the shard ends early or is damaged after {files} files "
                                 f"({type(err).__name__}: {redact(str(err))}); the samples "
                                 f"before kept"))
+
+
+def _entry(archive: tarfile.TarFile, member: tarfile.TarInfo, key: _Key, where: str,
+           problems: list[Problem]) -> dict | None:
+    """A regular file as webdataset groups it: its bytes when the sample is read for them and
+    they keep its files within MAX_SAMPLE_BYTES (else a problem, None), empty when it is not
+    (never read); None for a link or special file (noted in `key`)."""
+    if not member.isreg():
+        key.links.append(_shown(member.name))
+        return None
+    key.files += 1
+    if base_plus_ext(member.name)[1].lower() not in READ:
+        return {"fname": member.name, "data": b"", "__url__": where}
+    if key.size + member.size > MAX_SAMPLE_BYTES:
+        problems.append(Problem(Origin(where, item=_shown(member.name)), MALFORMED,
+                                f"{member.size} bytes, which would take its sample's files past "
+                                f"the bound of {MAX_SAMPLE_BYTES} bytes; left out"))
+        return None
+    key.size += member.size
+    return {"fname": member.name, "data": archive.extractfile(member).read(), "__url__": where}
+
+
+def _report_links(key: _Key, where: str, problems: list[Problem]) -> None:
+    """One problem for a key's links or special files, which are never read (a sample of them
+    alone would vanish uncounted)."""
+    if key.links:
+        problems.append(Problem(Origin(where, item=_shown(str(key.name))), MALFORMED,
+                                f"{', '.join(key.links)}: links or other special files, not "
+                                f"files; {'left out' if key.files else 'sample skipped'}"))
+
+
+def _guarded_sample(entries: dict, where: str, default_split: str) -> Sample | Problem:
+    """`_sample`, any failure of it on one sample (a json nested too deep to decode, ...) that
+    sample's problem, not the shard's."""
+    try:
+        return _sample(entries, where, default_split)
+    except Exception as err:  # one sample's surprise is its own problem
+        return Problem(Origin(where, item=_shown(entries["__key__"])), UNEXPECTED_ERROR,
+                       f"{type(err).__name__}: {shown_text(str(err), 200)}; sample skipped")
 
 
 def _shown(text: str) -> str:

@@ -11,8 +11,10 @@ as img2dataset numbers each download's keys from 0. The unit's part, `parts/<u>.
 (its shards with their counts and sizes, its skipped inputs, the settings that decide the set),
 is put last: a unit whose part matches the run's settings and whose shards are there at their
 sizes is finished, and a rerun skips it (a part that differs only in the merge's settings takes
-the task's). Each task also puts `parts/plan.json` (the units and settings). Memory holds CHUNK
-samples and one shard's metadata per split, whatever the size of the data.
+the task's). Each task also puts `parts/plan.json` (the units and settings). Memory holds a
+chunk, at most CHUNK samples and CHUNK_BYTES of their images and captions (a sample that passes
+the bound ends its chunk), the previous chunk until the next is read, and one shard's metadata
+per split, whatever the size or count of the data.
 
 `merge` reads the plan and every part, builds the vocabulary from the training split's counts
 (every token is kept in the shards, so the counts the units recorded are all it needs) or reuses
@@ -46,8 +48,8 @@ from defrag.urls import MASK, HttpError, ShardError, describe_error, redact
 from featurizer.boxes import make_box_source
 from featurizer.destinations import Destination, destination, write_text
 from featurizer.images import BadImage, decode_image
-from featurizer.img2dataset import UnreadableInput, read_samples
-from featurizer.parsing import Parser, make_parser
+from featurizer.img2dataset import Sample, UnreadableInput, read_samples
+from featurizer.parsing import Parser, make_parser, parse_captions
 from featurizer.pipeline import (
     Settings,
     add_counts,
@@ -64,6 +66,7 @@ from featurizer.shards import sample_of, summary, usable_captions
 log = logging.getLogger(__name__)
 MANIFEST_FIELDS = ("split", "file", "samples", "captions", "bytes", "sha256")  # of a shard
 CHUNK = 256  # samples parsed together (the parser's batch); their images decoded one at a time
+CHUNK_BYTES = 64 << 20  # ... holding at most this many bytes of images and captions
 PLAN = "parts/plan.json"
 TIMEOUT = 60.0  # seconds an input read may stall
 RETRIES = 3  # reads of an input shard that fails midway, from its start
@@ -87,6 +90,7 @@ class Unit:
     shard_size: int | None
     max_image_pixels: int
     settings: dict  # those that decide the set (`_output_settings`), recorded in its part
+    max_caption_chars: int
 
     @property
     def part(self) -> str:
@@ -167,7 +171,8 @@ def _plan(inputs: list[str], out_read: str | None, default_split: str, settings:
                              sort_keys=True)
         units.append(Unit(index, url, name, prefix, hashlib.sha256(payload.encode()).hexdigest(),
                           str(settings.out), out_read, default_split, settings.shard_size,
-                          settings.max_image_pixels, output_settings))
+                          settings.max_image_pixels, output_settings,
+                          settings.max_caption_chars))
     return units
 
 
@@ -262,11 +267,13 @@ def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[
     shards: list[dict] = []
     problems: list[Problem] = []
     stream = read_samples(unit.url, unit.default_split, TIMEOUT)
-    for chunk in iter(lambda: list(itertools.islice(stream, CHUNK)), []):
+    for chunk in _chunks(stream):
         samples = [item for item in chunk if not isinstance(item, Problem)]
         problems += [item for item in chunk if isinstance(item, Problem)]
         progress(len(chunk) - len(samples))
-        parsed = iter(parser.parse([text for sample in samples for text in sample.captions]))
+        parsed = iter(parse_captions(parser, [text for sample in samples
+                                              for text in sample.captions],
+                                     unit.max_caption_chars))
         for sample in samples:
             record = ImageRecord(f"{unit.prefix}-{sample.key}", sample.split, Path(),
                                  f"{unit.name}/{sample.key}",
@@ -282,11 +289,11 @@ def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[
                 progress(1)
                 continue
             kept = usable_captions(record, captions, problems)
-            if kept:
+            sample_data = kept and sample_of(record, image, kept, boxes, problems)
+            if sample_data:
                 if record.split not in outputs:
                     outputs[record.split] = _Output(unit, record.split, scratch)
-                shards += outputs[record.split].add(*sample_of(record, image, kept, boxes),
-                                                    where)
+                shards += outputs[record.split].add(*sample_data, where)
             progress(1)
     for output in outputs.values():
         shards += output.close(where)
@@ -295,6 +302,23 @@ def _write_unit(unit: Unit, parser: Parser, boxes: Callable, progress: Callable[
             "input": unit.name, "shards": shards, "skipped": [p.to_json() for p in problems]}
     write_text(where, unit.part, json.dumps(part, ensure_ascii=False))
     return part
+
+
+def _chunks(stream: Iterator[Sample | Problem]) -> Iterator[list[Sample | Problem]]:
+    """`stream` in chunks of at most CHUNK items and CHUNK_BYTES of image and caption bytes (the
+    sample that passes the bound ends its chunk): the bytes in flight are bounded, not the
+    count, whatever a shard's images or captions weigh."""
+    chunk: list[Sample | Problem] = []
+    size = 0
+    for item in stream:
+        chunk.append(item)
+        if isinstance(item, Sample):
+            size += len(item.image) + sum(map(len, item.captions))
+        if len(chunk) == CHUNK or size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 class _Output:

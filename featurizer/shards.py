@@ -29,8 +29,16 @@ from defrag.files import TEMPORARY, replaced_atomically, sha256_file, write_atom
 from defrag.images import MAX_IMAGE_PIXELS
 from defrag.shard_format import FORMAT_VERSION
 from featurizer.images import BadImage, LoadedImage, load_image
-from featurizer.parsing import ParsedCaption, Parser
-from featurizer.records import NO_WORDS, Caption, ImageRecord, Problem, no_captions
+from featurizer.parsing import MAX_CAPTION_CHARS, ParsedCaption, Parser, Unparsed, parse_captions
+from featurizer.records import (
+    NO_WORDS,
+    UNEXPECTED_ERROR,
+    Caption,
+    ImageRecord,
+    Problem,
+    no_captions,
+    shown_text,
+)
 
 
 @dataclass
@@ -43,6 +51,7 @@ class ShardSpec:
     records: list[ImageRecord]
     fingerprint: str
     max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are skipped (too_large)
+    max_caption_chars: int = MAX_CAPTION_CHARS  # longer captions are left out (caption_too_long)
 
     @property
     def tar_path(self) -> Path:
@@ -54,15 +63,17 @@ class ShardSpec:
 
 
 def plan_shards(split: str, records: list[ImageRecord], directory: Path, shard_size: int,
-                settings: dict, max_image_pixels: int = MAX_IMAGE_PIXELS) -> list[ShardSpec]:
+                settings: dict, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                max_caption_chars: int = MAX_CAPTION_CHARS) -> list[ShardSpec]:
     """Cut a split's records (sorted by image id) into shards of `shard_size` images; the pixel
-    bound is part of the fingerprint (it decides which images are kept)."""
+    and caption bounds are part of the fingerprint (they decide what is kept)."""
     if shard_size < 1:
         raise ValueError(f"shard size must be positive, got {shard_size}")
     ordered = sorted(records, key=lambda r: r.image_id)
-    settings = {**settings, "max_image_pixels": max_image_pixels}
+    settings = {**settings, "max_image_pixels": max_image_pixels,
+                "max_caption_chars": max_caption_chars}
     return [ShardSpec(split, index, directory, chunk, _fingerprint(chunk, settings),
-                      max_image_pixels)
+                      max_image_pixels, max_caption_chars)
             for index, chunk in enumerate(ordered[start:start + shard_size]
                                           for start in range(0, len(ordered), shard_size))]
 
@@ -118,13 +129,14 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
         except BadImage as bad:
             problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
             progress(1)
-    parsed = iter(parser.parse([c.text for record, _ in loaded for c in record.captions]))
+    parsed = iter(parse_captions(parser, [c.text for record, _ in loaded for c in record.captions],
+                                 spec.max_caption_chars))
     samples = []
     for record, image in loaded:
         captions = usable_captions(record, [(c, next(parsed)) for c in record.captions],
                                     problems)
-        if captions:
-            samples.append(sample_of(record, image, captions, boxes))
+        if captions and (sample := sample_of(record, image, captions, boxes, problems)):
+            samples.append(sample)
         progress(1)
     spec.directory.mkdir(parents=True, exist_ok=True)
     spec.sidecar_path.unlink(missing_ok=True)
@@ -142,25 +154,37 @@ def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
     return sidecar
 
 
-def usable_captions(record: ImageRecord, parsed: list[tuple[Caption, ParsedCaption]],
-                     problems: list[Problem]) -> list[dict]:
-    """Captions with at least one word, as stored. Reports the others with those the source
-    dropped, or, when none is left, the image alone (one `no_captions` naming them)."""
+def usable_captions(record: ImageRecord,
+                    parsed: list[tuple[Caption, ParsedCaption | Unparsed]],
+                    problems: list[Problem]) -> list[dict]:
+    """Captions parsed into at least one word, as stored. Reports the others with those the
+    source dropped, or, when none is left, the image alone (one `no_captions` naming them)."""
     captions, dropped = [], list(record.dropped)
     for caption, fragments in parsed:
-        if fragments.tokens:
+        if isinstance(fragments, Unparsed):
+            dropped.append(Problem(caption.origin, fragments.reason, fragments.detail,
+                                   record.split))
+        elif fragments.tokens:
             captions.append(fragments.caption(caption.text))
         else:
             dropped.append(Problem(caption.origin, NO_WORDS,
-                                   f"caption {caption.text!r} has no words", record.split))
+                                   f"caption {shown_text(caption.text)} has no words",
+                                   record.split))
     problems.extend(dropped if captions else [no_captions(record, dropped)])
     return captions
 
 
-def sample_of(record: ImageRecord, image: LoadedImage, captions: list[dict],
-            boxes: Callable) -> tuple[str, str, bytes, dict]:
-    """(key, image extension, image bytes, JSON metadata) of one image."""
-    rows, scores = boxes(image.image, record.boxes)
+def sample_of(record: ImageRecord, image: LoadedImage, captions: list[dict], boxes: Callable,
+              problems: list[Problem]) -> tuple[str, str, bytes, dict] | None:
+    """(key, image extension, image bytes, JSON metadata) of one image; None, reported in
+    `problems`, when the box source fails on it (that image's problem, not the run's)."""
+    try:
+        rows, scores = boxes(image.image, record.boxes)
+    except Exception as err:  # any failure of a box source on one image
+        problems.append(Problem(record.origin, UNEXPECTED_ERROR, f"{record.file}: the box "
+                                f"source failed ({type(err).__name__}: "
+                                f"{shown_text(str(err), 200)}); image skipped", record.split))
+        return None
     width, height = image.image.size
     meta = {"image_id": record.image_id, "split": record.split, "width": width,
             "height": height, "file": record.file, "captions": captions, "boxes": rows,

@@ -19,12 +19,14 @@ import webdataset as wds
 from PIL import Image
 
 import featurizer.img2dataset as img2dataset
+import featurizer.ingest as ingest
 from defrag.urls import MASK
 from defrag.vocab import Vocabulary
+from featurizer.boxes import FullFrameSource
 from featurizer.command import main
 from featurizer.destinations import _turned_around
-from featurizer.img2dataset import read_samples
-from featurizer.records import Problem
+from featurizer.img2dataset import Sample, read_samples
+from featurizer.records import Origin, Problem
 from featurizer.synthetic import write_img2dataset
 from tests.servers import serve_folder
 from trainer.data.reader import SampleDecoder
@@ -341,7 +343,7 @@ def test_damaged_tars_and_hostile_names_are_problems_not_losses(
     hostile.append({"__key__": "caf\udce9", "txt": b"no image"})  # a name that is not UTF-8
     hostile.append({"__key__": "big", "jpg": bytes(2000), "txt": b"A dog ."})
     write_tar(tmp_path / "hostile.tar", hostile)
-    monkeypatch.setattr(img2dataset, "MAX_MEMBER_BYTES", 1000)
+    monkeypatch.setattr(img2dataset, "MAX_SAMPLE_BYTES", 1000)
     read = list(read_samples(str(tmp_path / "hostile.tar"), "train", 10))
     assert all(isinstance(item, Problem) for item in read)
     reasons = sorted((item.origin.item, item.reason) for item in read)
@@ -349,3 +351,102 @@ def test_damaged_tars_and_hostile_names_are_problems_not_losses(
                        ("003", "malformed"), ("004", "malformed"), ("big", "missing_image"),
                        ("big.jpg", "malformed"), ("caf\\xe9", "missing_image")], reasons
     assert json.dumps([item.to_json() for item in read]).encode("utf-8")
+
+
+def test_an_over_long_caption_or_a_failing_sample_costs_only_itself(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """A caption over --max-caption-chars is left out unparsed (caption_too_long); with the
+    limit raised, one spaCy refuses (E088: over 1,000,000 characters) costs only itself, as do
+    a json nested too deep to decode and a box source's failure (injected) their sample: each
+    named by shard and key, the task goes on."""
+    fullframe = FullFrameSource.__call__
+
+    def failing(self, image, boxes=None):
+        if image.size == (13, 13):
+            raise RuntimeError("no boxes for this one")
+        return fullframe(self, image, boxes)
+
+    monkeypatch.setattr(FullFrameSource, "__call__", failing)
+    shard = tmp_path / "in/00000.tar"
+    write_tar(shard, [
+        {"__key__": "000000000", "jpg": jpeg((200, 30, 30)),
+         "json": meta(captions=["x" * 10_001, "A red dog runs ."])},
+        {"__key__": "000000001", "jpg": jpeg((30, 200, 30)), "txt": b"dog " * 250_001},
+        {"__key__": "000000002", "jpg": jpeg((9, 9, 200)), "txt": b"A dog .",
+         "json": b"[" * 100_000},
+        {"__key__": "000000003", "jpg": jpeg((90, 90, 90)), "txt": b"A grey cat sleeps ."},
+        {"__key__": "000000004", "jpg": jpeg((90, 90, 90), (13, 13)), "txt": b"A cat ."}])
+    printed = featurize("webdataset", "--shards", shard, "--out", tmp_path / "out", *FLAGS,
+                        capsys=capsys)
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {"caption_too_long": 1, "no_captions": 1,
+                                                "unexpected_error": 2}
+    items = {item["item"]: item for item in manifest["skipped"]["items"]}
+    assert all(item["file"] == str(shard) for item in items.values())
+    assert items["000000000"]["reason"] == "caption_too_long"
+    assert "has 10001 characters, over the limit of 10000 (--max-caption-chars); left out" in \
+        items["000000000"]["detail"]
+    assert "caption_too_long" not in items["000000001"]["detail"]  # one no_captions, named:
+    assert "has 1000003 characters, over the limit" in items["000000001"]["detail"]
+    assert items["000000002"]["reason"] == "unexpected_error"
+    assert "RecursionError" in items["000000002"]["detail"]
+    assert items["000000004"]["detail"] == ("00000.tar/000000004: the box source failed "
+                                            "(RuntimeError: 'no boxes for this one'); image "
+                                            "skipped")
+    assert manifest["splits"]["train"]["captions"] == 2 and "train: 2 images" in printed
+
+    printed = featurize("webdataset", "--shards", shard, "--out", tmp_path / "raised", *FLAGS,
+                        "--max-caption-chars", "2000000", capsys=capsys)
+    manifest = json.loads((tmp_path / "raised/manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {"no_captions": 1, "unexpected_error": 2}
+    refused = next(item for item in manifest["skipped"]["items"]
+                   if item["item"] == "000000001")
+    assert "could not be parsed (ValueError: '[E088] Text of length 1000003" in \
+        refused["detail"]
+    assert manifest["splits"]["train"]["captions"] == 3 and "train: 2 images" in printed
+
+
+def test_a_samples_bytes_are_bounded_and_its_links_counted(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """One sample's files together are bounded in bytes (not each file alone); an entry no
+    sample is read for is never read; links, never read, are a problem named by key, so a
+    sample of links alone does not vanish uncounted."""
+    monkeypatch.setattr(img2dataset, "MAX_SAMPLE_BYTES", 1000)
+    with tarfile.open(tmp_path / "in.tar", "w") as archive:
+        for name, content in [("two.jpg", bytes(600)), ("two.webp", bytes(600)),
+                              ("two.txt", b"A dog ."), ("extra.npy", bytes(5000)),
+                              ("extra.jpg", bytes(600)), ("extra.txt", b"A cat ."),
+                              ("links.jpg", "/etc/passwd"), ("links.txt", "two.txt"),
+                              ("half.jpg", bytes(600)), ("half.json", "../x.json"),
+                              ("half.txt", b"A cow .")]:
+            info = tarfile.TarInfo(name)
+            if isinstance(content, str):
+                info.type, info.linkname = tarfile.SYMTYPE, content
+                archive.addfile(info)
+            else:
+                info.size = len(content)
+                archive.addfile(info, io.BytesIO(content))
+    read = list(read_samples(str(tmp_path / "in.tar"), "train", 10))
+    kept = {item.key: item for item in read if not isinstance(item, Problem)}
+    assert sorted(kept) == ["extra", "half", "two"] and kept["two"].image == bytes(600)
+    problems = {item.origin.item: item for item in read if isinstance(item, Problem)}
+    assert {item: problem.reason for item, problem in problems.items()} == {
+        "two.webp": "malformed", "links": "malformed", "half": "malformed"}
+    assert "600 bytes, which would take its sample's files past the bound of 1000 bytes" in \
+        problems["two.webp"].detail
+    assert problems["links"].detail == ("links.jpg, links.txt: links or other special files, "
+                                        "not files; sample skipped")
+    assert problems["half"].detail.endswith("half.json: links or other special files, not "
+                                            "files; left out")
+
+
+def test_a_chunk_of_samples_is_bounded_in_bytes_not_only_in_count(
+        monkeypatch: pytest.MonkeyPatch):
+    """The samples parsed together hold at most CHUNK_BYTES of images and captions (the one
+    that passes it ends its chunk), not CHUNK samples of any size."""
+    monkeypatch.setattr(ingest, "CHUNK_BYTES", 2500)
+    samples = [Sample(f"{i}", bytes(1000), ["A dog ."], "train", Origin("in.tar"))
+               for i in range(7)]
+    samples.insert(3, Sample("long", b"", ["dog " * 1000], "train", Origin("in.tar")))
+    assert [[item.key for item in chunk] for chunk in ingest._chunks(iter(samples))] == [
+        ["0", "1", "2"], ["long"], ["3", "4", "5"], ["6"]]

@@ -13,6 +13,7 @@ from featurizer.parsing import (
     ParsedCaption,
     ParserUnavailable,
     _spacy_pipeline,
+    batches,
     kept_heads,
     make_parser,
     spacy_fragments,
@@ -275,3 +276,12 @@ def test_kept_heads_skips_dropped_nodes_and_refuses_cycles() -> None:
     assert kept_heads(parents, ["a", "c", "d"]) == [1, -1, -1]
     with pytest.raises(ValueError, match="cycle"):
         kept_heads({"a": "b", "b": "c", "c": "b"}, ["a"])
+
+
+def test_parse_batches_are_bounded_in_characters_not_only_in_count() -> None:
+    """A parse holds ~3 KB a character: a batch takes at most `max_chars` characters (a longer
+    text alone), as well as at most `size` texts, in order."""
+    texts = ["a" * 30, "b" * 30, "c" * 50, "d", "e" * 200, "f"]
+    assert list(batches(texts, size=3, max_chars=100)) == [
+        ["a" * 30, "b" * 30], ["c" * 50, "d"], ["e" * 200], ["f"]]
+    assert [len(batch) for batch in batches(["x"] * 5, size=2, max_chars=100)] == [2, 2, 1]

@@ -11,6 +11,7 @@ from PIL import Image
 import featurizer.pipeline as pipeline
 import featurizer.shards as shards_module
 from defrag.vocab import Vocabulary
+from featurizer.boxes import GivenSource
 from featurizer.command import main
 from featurizer.parsing import ParsedCaption, ParserUnavailable
 from featurizer.pipeline import Settings, featurize
@@ -422,3 +423,60 @@ def test_each_source_keeps_its_own_defaults() -> None:
     synthetic = parser.parse_args(["synthetic", "--out", "o"])
     assert (synthetic.parser, synthetic.boxes) == ("spacy", "given")
     assert parser.parse_args(["webdataset", "--shards", "x", "--out", "o"]).shard_size is None
+
+
+def test_an_over_long_caption_is_left_out_and_its_limit_decides_the_shards(
+        tmp_path: Path) -> None:
+    """A caption over max_caption_chars is left out unparsed (caption_too_long, named by line),
+    an image left without captions is one no_captions, and another limit rewrites the shards."""
+    for index in (1, 2):
+        write_image(tmp_path / f"data/images/{index}.jpg", index)
+    long = "A dog runs on the grass ." * 4  # 100 characters
+    jsonl = tmp_path / "data/data.jsonl"
+    jsonl.write_text(json.dumps({"image": "images/1.jpg", "captions": [long, CAPTIONS[0]]})
+                     + "\n" + json.dumps({"image": "images/2.jpg", "captions": [long]}) + "\n")
+    manifest = run(jsonl, tmp_path / "out", max_caption_chars=99)
+    assert manifest["skipped"]["by_reason"] == {"caption_too_long": 1, "no_captions": 1}
+    items = manifest["skipped"]["items"]
+    assert [(item["line"], item["reason"]) for item in items] == [
+        (1, "caption_too_long"), (2, "no_captions")]
+    assert all("has 100 characters, over the limit of 99 (--max-caption-chars)" in
+               item["detail"] for item in items)
+    manifest = run(jsonl, tmp_path / "out", max_caption_chars=100)
+    assert manifest["skipped"]["count"] == 0 and manifest["splits"]["train"]["captions"] == 3
+
+
+def test_a_box_source_failing_on_one_image_costs_only_that_image(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any error of the box source on one image is that image's problem, named by its line,
+    not the run's (the fault injected into the real box source)."""
+    jsonl = make_dataset(tmp_path / "data", good=3)
+    given = GivenSource.__call__
+
+    def failing(self, image, boxes=None):
+        if image.size == (41, 30):  # images/img01.jpg
+            raise RuntimeError("no boxes for this one")
+        return given(self, image, boxes)
+
+    monkeypatch.setattr(GivenSource, "__call__", failing)
+    manifest = run(jsonl, tmp_path / "out")
+    assert manifest["splits"]["train"]["images"] == 2
+    [item] = manifest["skipped"]["items"]
+    assert (item["line"], item["reason"]) == (2, "unexpected_error")
+    assert item["detail"] == ("images/img01.jpg: the box source failed (RuntimeError: 'no "
+                              "boxes for this one'); image skipped")
+
+
+def test_a_shard_size_or_caption_limit_below_one_is_refused(
+        capsys: pytest.CaptureFixture) -> None:
+    """--shard-size 0 or below made webdataset write one image per shard: refused, as is a
+    --max-caption-chars below 1, naming the flag."""
+    from featurizer.command import build_parser
+
+    for source in (["webdataset", "--shards", "x"], ["jsonl", "--jsonl", "x.jsonl"]):
+        for flag, value in (("--shard-size", "0"), ("--shard-size", "-3"),
+                            ("--max-caption-chars", "0")):
+            with pytest.raises(SystemExit):
+                build_parser().parse_args([*source, "--out", "o", flag, value])
+            assert f"argument {flag}: a whole number of at least 1, got '{value}'" in \
+                capsys.readouterr().err
