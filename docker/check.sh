@@ -21,6 +21,11 @@ VENV_PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 PODMAN=(podman --runtime runc)
 LIMITS=(--ulimit nofile=8192:8192 --ulimit nproc=4096:4096)
 
+# What the check made and removes at its end, whatever the outcome (--one-file-system: never
+# into something mounted inside).
+TEMPS=()
+trap 'rm -rf --one-file-system "${TEMPS[@]}"' EXIT
+
 die() { echo "docker-check: $*" >&2; exit 1; }
 step() { echo "docker-check: [${SECONDS}s] $*"; }
 
@@ -31,6 +36,7 @@ base_image() {
     step "debootstrap $SUITE -> $BASE"
     local root
     root=$(mktemp -d "$CACHE/rootfs.XXXXXX")
+    TEMPS+=("$root")
     debootstrap --variant=minbase --include=python3,python3-venv "$SUITE" "$root" "$MIRROR" \
         >"$CACHE/debootstrap.log" 2>&1 \
         || die "debootstrap $SUITE from $MIRROR failed: see $CACHE/debootstrap.log"
@@ -38,7 +44,6 @@ base_image() {
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar -C "$root" -c . | "${PODMAN[@]}" import --quiet --change "ENV PATH=$VENV_PATH" \
         --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
-    rm -rf "$root"
 }
 
 # Every pinned wheel (and setuptools + wheel, to build the package) for the image's Python, got
@@ -83,7 +88,7 @@ step "podman build --build-arg BASE_IMAGE=$BASE -> $IMAGE"
     -f docker/Dockerfile -t "$IMAGE" .
 
 RUNS=$(mktemp -d "$CACHE/runs.XXXXXX")
-trap 'rm -rf "$RUNS"' EXIT
+TEMPS+=("$RUNS")
 chown 10001:10001 "$RUNS"
 step "defrag -h"
 in_image --entrypoint defrag "$IMAGE" -h
