@@ -10,7 +10,8 @@ skips the rest. (`ShardWriter` names shards by a running counter as it writes on
 cannot give each parallel worker its own shard index and an atomic rename.)
 
 Tar members have a fixed mtime, owner and mode, and samples are written in image-id order, so the
-same inputs give byte-identical shards.
+same inputs give byte-identical shards. A shard's captions are parsed first, then its images are
+read, boxed and appended one at a time: it holds one decoded image, whatever their size.
 """
 
 from __future__ import annotations
@@ -120,38 +121,47 @@ def clear_leftovers(directory: Path, num_shards: int) -> None:
 def write_shard(spec: ShardSpec, parser: Parser, boxes: Callable,
                 progress: Callable[[int], object]) -> dict:
     """Parse, box and write the images of `spec`; returns its sidecar. `boxes` is a box source;
-    `progress(1)` is called once per image."""
+    `progress(1)` is called once per image. The captions are parsed first, then each image is
+    read, boxed and written before the next is read: a shard holds one decoded image at a time,
+    whatever the images weigh."""
     problems: list[Problem] = []
-    loaded: list[tuple[ImageRecord, LoadedImage]] = []
-    for record in spec.records:
-        try:
-            loaded.append((record, load_image(record.path, spec.max_image_pixels)))
-        except BadImage as bad:
-            problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
-            progress(1)
-    parsed = iter(parse_captions(parser, [c.text for record, _ in loaded for c in record.captions],
-                                 spec.max_caption_chars))
-    samples = []
-    for record, image in loaded:
-        captions = usable_captions(record, [(c, next(parsed)) for c in record.captions],
-                                    problems)
-        if captions and (sample := sample_of(record, image, captions, boxes, problems)):
-            samples.append(sample)
-        progress(1)
+    parsed = iter(parse_captions(parser, [c.text for record in spec.records
+                                          for c in record.captions], spec.max_caption_chars))
+    metas = []
     spec.directory.mkdir(parents=True, exist_ok=True)
     spec.sidecar_path.unlink(missing_ok=True)
     with replaced_atomically(spec.tar_path) as tmp:
         with tmp.open("wb") as stream:
             writer = wds.TarWriter(stream, encoder=False, mtime=0)
-            for key, extension, data, meta in samples:
-                writer.write({"__key__": key, extension: data,
-                              "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+            for record in spec.records:
+                captions = [(c, next(parsed)) for c in record.captions]
+                sample = _read_sample(record, captions, spec.max_image_pixels, boxes, problems)
+                if sample is not None:
+                    key, extension, data, meta = sample
+                    writer.write({"__key__": key, extension: data,
+                                  "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+                    metas.append(meta)
+                progress(1)
             writer.close()
             stream.flush()
             os.fsync(stream.fileno())
-        sidecar = _sidecar(spec, tmp, [meta for *_, meta in samples], problems)
+        sidecar = _sidecar(spec, tmp, metas, problems)
     write_atomically(spec.sidecar_path, json.dumps(sidecar, ensure_ascii=False, indent=1))
     return sidecar
+
+
+def _read_sample(record: ImageRecord, captions: list[tuple[Caption, ParsedCaption | Unparsed]],
+                 max_pixels: int, boxes: Callable,
+                 problems: list[Problem]) -> tuple[str, str, bytes, dict] | None:
+    """`sample_of` a record, its image read now; None, reported in `problems`, when the image
+    cannot be used or no caption can."""
+    try:
+        image = load_image(record.path, max_pixels)
+    except BadImage as bad:
+        problems.append(Problem(record.origin, bad.reason, bad.detail, record.split))
+        return None
+    kept = usable_captions(record, captions, problems)
+    return sample_of(record, image, kept, boxes, problems) if kept else None
 
 
 def usable_captions(record: ImageRecord,

@@ -1,7 +1,9 @@
 """The featurizer end to end on tiny generated data: shard contents, manifest, bad inputs,
 resumability, determinism, vocabulary reuse and the CLI."""
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -465,6 +467,31 @@ def test_a_box_source_failing_on_one_image_costs_only_that_image(
     assert (item["line"], item["reason"]) == (2, "unexpected_error")
     assert item["detail"] == ("images/img01.jpg: the box source failed (RuntimeError: 'no "
                               "boxes for this one'); image skipped")
+
+
+def test_a_shard_holds_one_decoded_image_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's images are read, boxed and written one by one: when an image is boxed, the
+    shard's earlier images are gone, so a shard of 1,000 large images does not hold them all."""
+    jsonl = make_dataset(tmp_path / "data", good=5)
+    loaded: list[weakref.ref] = []
+    alive: list[int] = []
+    real_load, given = shards_module.load_image, GivenSource.__call__
+
+    def load(*args):
+        image = real_load(*args)
+        loaded.append(weakref.ref(image.image))
+        return image
+
+    def counting(self, image, boxes=None):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in loaded))
+        return given(self, image, boxes)
+
+    monkeypatch.setattr(shards_module, "load_image", load)
+    monkeypatch.setattr(GivenSource, "__call__", counting)
+    manifest = run(jsonl, tmp_path / "out", shard_size=5)
+    assert manifest["splits"]["train"]["images"] == 5 and alive == [1] * 5
 
 
 def test_a_shard_size_or_caption_limit_below_one_is_refused(
