@@ -215,7 +215,7 @@ def read_karpathy(json_file: Path, images_dir: Path, allow_outside: bool = False
     """Read a Karpathy-split JSON file; image paths are `images_dir/filepath/filename`."""
     try:
         data = json.loads(Path(json_file).read_bytes().decode("utf-8-sig", "surrogateescape"))
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, RecursionError) as err:  # too deep a nesting
         raise ValueError(f"{json_file}: cannot read the Karpathy-split JSON ({err})") from err
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise ValueError(f"{json_file}: not a Karpathy-split file (no top-level 'images' list)")
@@ -296,7 +296,7 @@ def read_jsonl(jsonl_file: Path, images_dir: Path, default_split: str,
     for origin, line in _text_lines(jsonl_file, source):
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:  # too deep a nesting
             source.problems.append(Problem(origin, MALFORMED, f"invalid JSON ({err})"))
             continue
         if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)

@@ -177,6 +177,9 @@ def test_karpathy_rejects_other_json(tmp_path: Path) -> None:
     path.write_text('{"annotations": []}')
     with pytest.raises(ValueError, match="no top-level 'images'"):
         read_karpathy(path, tmp_path)
+    path.write_text("[" * 100_000)  # nested too deep for the decoder: named, not a RecursionError
+    with pytest.raises(ValueError, match="x.json: cannot read the Karpathy-split JSON"):
+        read_karpathy(path, tmp_path)
 
 
 def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
@@ -189,6 +192,7 @@ def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
         {"image": "imgs/d.jpg", "captions": ["ok"], "boxes": [[1, 2, 3]]},
         {"image": "imgs/e.jpg", "captions": ["", 7]},
         {"image": "imgs/a.jpg", "captions": ["again"]},
+        "[" * 100_000,  # nested too deep for the decoder: a RecursionError, not a crash
     ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
@@ -199,7 +203,8 @@ def test_jsonl_records_boxes_and_bad_lines(tmp_path: Path) -> None:
     assert a.path == tmp_path / "imgs/a.jpg" and [c.origin.line for c in a.captions] == [1, 1]
     assert (b.split, b.path) == ("test", Path("/abs/b.png"))
     assert reasons(source.problems) == [("malformed", 3), ("malformed", 4), ("bad_boxes", 5),
-                               ("no_captions", 6), ("duplicate_image", 7)]  # line 6: one image
+                               ("no_captions", 6), ("duplicate_image", 7),  # 6: one image
+                               ("malformed", 8)]
 
 
 def test_jsonl_line_that_is_not_utf8_is_reported_and_skipped(tmp_path: Path) -> None:
