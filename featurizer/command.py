@@ -93,7 +93,8 @@ def _common_flags() -> argparse.ArgumentParser:
                             "input shard and split unless given)")
     flags.add_argument("--workers", type=int, default=2, help="worker processes")
     flags.add_argument("--splits", nargs="+", help="splits to featurize (default: all found)")
-    flags.add_argument("--limit", type=int, help="only the first N images (by id) of each split")
+    flags.add_argument("--limit", type=_positive,
+                       help="only the first N images (by id) of each split")
     flags.add_argument("--train-split", default="train",
                        help="split whose captions build the vocabulary (default: train)")
     flags.add_argument("--min-word-count", type=int, default=5,

@@ -494,15 +494,16 @@ def test_a_shard_holds_one_decoded_image_at_a_time(
     assert manifest["splits"]["train"]["images"] == 5 and alive == [1] * 5
 
 
-def test_a_shard_size_or_caption_limit_below_one_is_refused(
+def test_a_shard_size_caption_limit_or_image_limit_below_one_is_refused(
         capsys: pytest.CaptureFixture) -> None:
-    """--shard-size 0 or below made webdataset write one image per shard: refused, as is a
-    --max-caption-chars below 1, naming the flag."""
+    """--shard-size 0 or below made webdataset write one image per shard, --limit -3 all images
+    but the last 3 of each split: refused, as is a --max-caption-chars below 1, naming the
+    flag."""
     from featurizer.command import build_parser
 
     for source in (["webdataset", "--shards", "x"], ["jsonl", "--jsonl", "x.jsonl"]):
         for flag, value in (("--shard-size", "0"), ("--shard-size", "-3"),
-                            ("--max-caption-chars", "0")):
+                            ("--max-caption-chars", "0"), ("--limit", "-3")):
             with pytest.raises(SystemExit):
                 build_parser().parse_args([*source, "--out", "o", flag, value])
             assert f"argument {flag}: a whole number of at least 1, got '{value}'" in \
