@@ -32,6 +32,9 @@ from defrag.backbones import build_backbone, load_state_dict
 
 # A candidate this close to the whole image repeats row 0 and is dropped.
 FULL_FRAME_IOU = 0.95
+# Scoring `roi` scales a thin image's longer side to at most this x score_size: a 1 x 300 px
+# strip at a shorter side of 448 would be a 448 x 134,400 px map (GBs for one image).
+MAX_SCORE_ASPECT = 4
 
 
 class BoxSource:
@@ -191,13 +194,19 @@ class SelectiveSearchSource(BoxSource):
         _, first = np.unique(boxes.numpy(), axis=0, return_index=True)
         return boxes[torch.from_numpy(np.sort(first))][: self.max_proposals]
 
+    def score_shape(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the image is scored at (`roi`): shorter side `score_size`, longer
+        side at most MAX_SCORE_ASPECT x `score_size`."""
+        scale = min(self.score_size / min(width, height),
+                    MAX_SCORE_ASPECT * self.score_size / max(width, height))
+        return max(1, round(height * scale)), max(1, round(width * scale))
+
     def objectness(self, image: Image.Image, boxes: torch.Tensor) -> torch.Tensor:
         """Max ImageNet class probability of the CNN on each box [N] (the R-CNN score)."""
         width, height = image.size
         pixels = pil_to_tensor(image).float().div(255).unsqueeze(0)
         if self.scoring == "roi":
-            scale = self.score_size / min(width, height)
-            size = (max(1, round(height * scale)), max(1, round(width * scale)))
+            size = self.score_shape(width, height)
             pixels = torch.nn.functional.interpolate(pixels, size=size, mode="bilinear",
                                                      antialias=True, align_corners=False)
             fmap = self.cnn.features(self.cnn.normalize(pixels))

@@ -70,6 +70,17 @@ def test_selective_search_finds_the_shapes() -> None:
     assert (box_iou(shapes, torch.tensor(boxes[1:])).amax(dim=1) >= 0.5).all()
 
 
+def test_a_thin_image_is_scored_at_a_bounded_size(selective_search) -> None:
+    """A strip's map is bounded (a 1 x 300 px image is not scored at 448 x 134,400 px); an
+    ordinary image's shorter side is `score_size`."""
+    assert selective_search.score_shape(400, 300) == (448, 597)
+    assert selective_search.score_shape(1, 300) == (1792, 6)
+    strip = Image.new("RGB", (12, 120), (200, 30, 30))
+    strip.paste((20, 20, 200), (0, 40, 12, 80))
+    boxes, scores = selective_search(strip)
+    _check_contract(boxes, scores, strip, max_boxes=6, nms_iou=0.3)
+
+
 def test_selective_search_is_deterministic(selective_search) -> None:
     image = _scene()
     first = selective_search(image)
