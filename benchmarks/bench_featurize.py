@@ -48,12 +48,13 @@ import cv2
 import torch
 import torchvision
 
-from defrag.images import MAX_IMAGE_PIXELS, decode
+from defrag.images import decode
 from featurizer.boxes import make_box_source
 from featurizer.images import decode_image, load_image
 from featurizer.img2dataset import read_samples
-from featurizer.ingest import CHUNK, TIMEOUT, Unit, featurize_unit
+from featurizer.ingest import CHUNK, TIMEOUT, _plan, featurize_unit
 from featurizer.parsing import Parser, ParserUnavailable, make_parser
+from featurizer.pipeline import Settings
 from featurizer.sources import FLICKR8K_IMAGES, FLICKR8K_TOKEN_FILE, read_jsonl
 from featurizer.synthetic import generate, write_img2dataset
 
@@ -151,9 +152,8 @@ def ingest(tars: list[Path], parser: Parser, boxes: Callable, out: Path) -> tupl
     """Each tar through `featurize_unit` into a fresh local folder: (images written, seconds)."""
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    parts = [featurize_unit(Unit(index, str(tar), tar.name, tar.stem, "bench", str(out), None,
-                                 "train", None, MAX_IMAGE_PIXELS), parser, boxes, lambda _: None)
-             for index, tar in enumerate(tars)]
+    units = _plan([str(tar) for tar in tars], None, "train", Settings(out=out, shard_size=None), {})
+    parts = [featurize_unit(unit, parser, boxes, lambda _: None) for unit in units]
     seconds = time.perf_counter() - start
     return sum(part["samples"] for part in parts), seconds
 
@@ -281,7 +281,8 @@ def webdataset_markdown(results: dict) -> str:
              f"Where fullframe's time goes (each step timed alone over the same "
              f"{wds['images']} samples; the rest is the median ingest time less the steps):", "",
              "| step | seconds | images/s |", "|---|---|---|"]
-    lines += [f"| {step} | {seconds:.2f} | {wds['images'] / seconds:.0f} |"
+    count = wds["images"]
+    lines += [f"| {step} | {seconds:.2f} | {round(count / seconds) if seconds > 0 else '-'} |"
               for step, seconds in wds["breakdown_s"].items()]
     return "\n".join([*lines, WDS_END])
 
