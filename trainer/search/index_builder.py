@@ -228,6 +228,20 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
     todo = [unit for unit in mine if _redo(parts, unit)]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d units embedded already", len(mine) - len(todo), len(mine))
+    _embed_units(mine, todo, workers, opened, embedder, out, image_folder)
+    if task.count > 1:
+        log.info("task %d of %d: its %d units are embedded; `defrag index --merge --out %s` "
+                 "writes the index once every task has run", task.index, task.count, len(mine),
+                 out)
+        return {"index": str(out), "task": task.index, "tasks": task.count, "units": len(mine),
+                "embedded": len(todo)}
+    return _merge(out, record, embedder)
+
+
+def _embed_units(mine: list[Unit], todo: list[Unit], workers: int, opened: ModelFolder,
+                 embedder: Embedder, out: Path, image_folder: Path) -> None:
+    """Embed the units `todo` (of a task's `mine`) into out/parts, in this process or in a pool
+    of `workers` processes, with a progress bar over the task's images."""
     options = ReadOptions(verify="local")
     with tqdm(total=sum(unit.size for unit in mine), initial=sum(
             unit.size for unit in mine if unit not in todo), desc="index images",
@@ -236,21 +250,14 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
             _use(embedder, out, image_folder, options)
             for unit in todo:
                 bar.update(_embed_unit(unit)[1])
-        else:
-            threads = max(1, (os.cpu_count() or 1) // workers)
-            context = multiprocessing.get_context("spawn")
-            settings = (opened, embedder.boxes, embedder.parser_name, out, image_folder,
-                        options, threads)
-            with context.Pool(workers, _start_worker, settings) as pool:
-                for _, size in pool.imap_unordered(_embed_unit, todo):
-                    bar.update(size)
-    if task.count > 1:
-        log.info("task %d of %d: its %d units are embedded; `defrag index --merge --out %s` "
-                 "writes the index once every task has run", task.index, task.count, len(mine),
-                 out)
-        return {"index": str(out), "task": task.index, "tasks": task.count, "units": len(mine),
-                "embedded": len(todo)}
-    return _merge(out, record, embedder)
+            return
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        context = multiprocessing.get_context("spawn")
+        settings = (opened, embedder.boxes, embedder.parser_name, out, image_folder, options,
+                    threads)
+        with context.Pool(workers, _start_worker, settings) as pool:
+            for _, size in pool.imap_unordered(_embed_unit, todo):
+                bar.update(size)
 
 
 def merge(out: Path) -> dict[str, Any]:
