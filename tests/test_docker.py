@@ -9,9 +9,9 @@ import fnmatch
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
-import tomllib
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
