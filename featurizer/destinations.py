@@ -17,9 +17,11 @@ are the set's relative paths (`train/shard-000000.tar`, `parts/000000.json`, `ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,13 +31,15 @@ from defrag.files import TEMPORARY
 from defrag.urls import ShardError, redact, s3_client
 
 PLACEHOLDER = "{shard}"
+TAR_BLOCK = 512  # bytes of a tar header: a shard that yields them through a read command is there
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")  # what a put file may be named
 
 
 class Destination(Protocol):
     """Where a set's files go: `put` a whole local file under a name, `read` one back (None when
-    it is not there), `size` of one (None when missing or not knowable)."""
+    it is not there), `size` of one (None when missing or not knowable), whether one is
+    `present` (a command tells that much from a file's first bytes)."""
 
     location: str  # for messages, credentials masked
     sizes_known: bool  # whether `size` can tell (a command cannot)
@@ -47,6 +51,8 @@ class Destination(Protocol):
     def read(self, name: str) -> bytes | None: ...
 
     def size(self, name: str) -> int | None: ...
+
+    def present(self, name: str) -> bool: ...
 
 
 def destination(out: str, read_command: str | None = None) -> Destination:
@@ -108,6 +114,9 @@ class Folder:
         except FileNotFoundError:
             return None
 
+    def present(self, name: str) -> bool:
+        return self.size(name) is not None
+
 
 class Bucket:
     """`s3://BUCKET/PREFIX` through boto3 (credentials and endpoint from the AWS settings)."""
@@ -154,6 +163,9 @@ class Bucket:
                 return None
             raise ShardError(f"cannot look up {name} in {self.location} ({redact(str(err))})"
                              f"{_forbidden(err)}") from err
+
+    def present(self, name: str) -> bool:
+        return self.size(name) is not None
 
 
 def _forbidden(err: Exception) -> str:
@@ -209,6 +221,18 @@ class Commands:
 
     def size(self, name: str) -> int | None:
         return None
+
+    def present(self, name: str) -> bool:
+        """Whether the read command yields the file's first tar block (512 bytes); it is stopped
+        there, so a lost shard is found without downloading the others whole."""
+        command = self.read_command.replace(PLACEHOLDER, _checked(name))
+        with subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              start_new_session=True) as process:
+            first = process.stdout.read(TAR_BLOCK)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the command and what it started
+        return len(first) == TAR_BLOCK
 
 
 def _turned_around(write: str) -> str:

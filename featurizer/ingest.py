@@ -224,11 +224,13 @@ def _finished(unit: Unit, where: Destination) -> bool:
 
 def _damaged(part: dict, where: Destination) -> str | None:
     """The first of the part's shards that is not there at the size it records, as a line;
-    None when all are, or when the destination cannot tell sizes (a `pipe:` command)."""
-    if not where.sizes_known:
-        return None
+    None when all are (a `pipe:` command tells only whether each is there, not its size)."""
     for shard in part["shards"]:
         name, size = f"{shard['split']}/{shard['file']}", shard["bytes"]
+        if not where.sizes_known:
+            if not where.present(name):
+                return f"{name} is missing"
+            continue
         found = where.size(name)
         if found != size:
             return (f"{name} is missing" if found is None
@@ -406,9 +408,9 @@ def _finished_parts(where: Destination, plan: dict) -> Iterator[dict]:
     at their sizes; after the last, one line naming each unit that is not and what to do."""
     ours, count = plan.get("output_settings", {}), len(plan["units"])
     if not where.sizes_known:
-        log.warning("the shards of %s are not looked up (a command cannot tell a file's size "
-                    "without reading it): a lost one is found when read; remove its unit's part "
-                    "(parts/<u>.json) and run its task again", where.location)
+        log.warning("the shards of %s are looked up, not their sizes (a command cannot tell a "
+                    "file's size without reading it): one cut short is found when read; remove "
+                    "its unit's part (parts/<u>.json) and run its task again", where.location)
     other, missing = [], []
     for index, unit in enumerate(plan["units"]):
         named = f"{unit['input']} (unit {index}"

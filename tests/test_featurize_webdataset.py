@@ -228,6 +228,13 @@ def test_a_pipe_output_is_read_back_to_skip_and_merge(tmp_path: Path,
     featurize(*argv, capsys=capsys)
     assert json.loads((store / "manifest.json").read_text())["splits"]["train"]["images"] == 6
     assert "2 finished before, 0 written" in featurize(*argv, capsys=capsys)
+    lost = store / "train/shard-000001.tar"
+    kept = (store / "train/shard-000000.tar").stat().st_mtime_ns
+    lost.unlink()  # a lost shard is found through the read command: the merge names it ...
+    with pytest.raises(SystemExit, match=r"unit 1: train/shard-000001.tar is missing"):
+        main(["merge", "--out", write, "--out-read", read])
+    assert "1 finished before, 1 written" in featurize(*argv, capsys=capsys)  # ... a rerun too
+    assert lost.is_file() and (store / "train/shard-000000.tar").stat().st_mtime_ns == kept
     assert _turned_around("aws s3 cp - s3://b/p/{shard}") == "aws s3 cp s3://b/p/{shard} -"
     assert _turned_around("aws s3 cp - 's3://b/p/{shard}' --endpoint-url $EP | cat") == (
         "aws s3 cp 's3://b/p/{shard}' - --endpoint-url $EP | cat")  # quotes, variables, pipes
