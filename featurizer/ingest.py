@@ -20,8 +20,8 @@ per split, whatever the size or count of the data.
 (every token is kept in the shards, so the counts the units recorded are all it needs) or reuses
 `--vocab`, then puts vocab.json and manifest.json, last. It refuses, naming them, parts of other
 settings than the plan's and shards missing or of another size than their part records, so a
-manifest never names a missing shard (a `pipe:` output cannot be looked up without reading each
-shard: there the parts are trusted).
+manifest never names a missing shard (a `pipe:` output cannot tell a size without reading the
+shard: there each shard's first tar block is read, so a lost one is found, one cut short is not).
 The same input shards give the same output bytes in any number of tasks.
 """
 
