@@ -1,24 +1,29 @@
-"""Trainer step throughput: 1 and 2 CPU processes (or one GPU), CNN frozen (phase 1) and
-finetuned (phase 2), and the finetuning step's overhead over the bare CNN forward + backward on
-the same boxes.
+"""Trainer step throughput: 1 and 2 CPU processes (or one GPU), CNN frozen (phase 1),
+finetuned whole (phase 2) and finetuned in its top K blocks on cached trunk maps
+(`model.finetune_blocks`), and the finetuning step's overhead over the bare CNN forward +
+backward on the same boxes.
 
 The floor is measured in the same run: RoIAlign region features of the batch's boxes, summed and
 backpropagated through the CNN (the work a finetuning step cannot avoid). The step adds the
 sentence encoder, W_m, the gather, the objective and the SGD update.
 
     python benchmarks/bench_train.py [--shards DIR --val-split dev] [--batch 100]
-        [--image-size 224] [--steps 6] [--processes 1 2] [--device cuda [--bf16]] [--json PATH]
+        [--image-size 224] [--steps 6] [--processes 1 2] [--finetune-blocks 1 2 3]
+        [--device cuda [--bf16]] [--json PATH]
 
 On a GPU (--device cuda: one process) the step also runs under bf16 autocast with --bf16, as
 run.bf16 does, and every timed region ends with a device synchronization. Target: the
 finetuning step within 1.2x the bare CNN pass. Each row also says the CNN, its region mode and
 whether its weights and the batch's images are channels-last (the layout the trainer uses).
+For each K of --finetune-blocks: the step on cached maps, the cache's build time (the lower
+blocks' forward pass) and its size in memory and on disk, per cached image view.
 The JSON line's rows are also written to --json PATH.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -118,10 +123,37 @@ def measure(rank: int, world_size: int, shards: str, args, results: dict) -> Non
     for phase in ("frozen", "finetune"):
         out[f"{phase}_steps_per_s"] = 1 / out[f"{phase}_step_s"]
         out[f"{phase}_images_per_s"] = out["images_per_step"] / out[f"{phase}_step_s"]
+    out["top_blocks"] = [top_blocks(cfg, ctx, vocab, batches, k) for k in args.finetune_blocks]
     if rank == 0:
         results.update(out)
     if world_size > 1:
         dist.destroy_process_group()
+
+
+def top_blocks(cfg: Config, ctx: DistContext, vocab, batches, k: int) -> dict:
+    """Phase 2 finetuning the top `k` blocks on the cached maps of the blocks below: the
+    cache's build time and size per image view, and the step once every map is cached."""
+    model = dataclasses.replace(cfg.model, finetune_blocks=k)
+    with tempfile.TemporaryDirectory() as folder:
+        run = dataclasses.replace(cfg.run, feature_cache=folder)
+        cfg = dataclasses.replace(cfg, model=model, run=run)
+        trainer = Trainer(cfg, ctx, DeFragModel.from_config(model, vocab).to(ctx.device), vocab,
+                          Tracker(None, None, None), TrainState())
+        trainer.start_epoch(1)
+        trainer.model.train()
+        cache = trainer.trunk_cache
+        build = sum(seconds(lambda b: cache.lookup(trainer.model, b.images, b.boxes,
+                                                   b.box_image, b.image_ids, b.decoded), batch)
+                    for batch in batches)
+        cache.save()
+        views = len(cache.features)
+        disk = sum(path.stat().st_size for path in cache.folder.iterdir())
+        memory = sum(t.numel() * t.element_size() for t in cache.features.values())
+        step = median_seconds(lambda b: trainer.train_step(b, 1), batches)
+    return {"finetune_blocks": k, "map_shape": list(next(iter(cache.features.values())).shape),
+            "build_s_per_image": build / views, "memory_mb_per_image": memory / views / 2**20,
+            "disk_mb_per_image": disk / views / 2**20, "step_s": step,
+            "trained_parameters": sum(p.numel() for p in trainer.model.image.cnn_parameters())}
 
 
 def synthetic_shards(root: Path) -> str:
@@ -139,6 +171,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224, help="the CNN's input size")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--finetune-blocks", type=int, nargs="*", default=[1, 2, 3],
+                        help="the K of model.finetune_blocks to measure (none: skip)")
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
@@ -160,6 +194,13 @@ def main() -> None:
               f"steps/s {r['frozen_images_per_s']:.1f} img/s; finetune "
               f"{r['finetune_steps_per_s']:.2f} steps/s {r['finetune_images_per_s']:.1f} img/s; "
               f"step / bare CNN fwd+bwd = {r['overhead']:.2f} (target <= {TARGET})")
+        for top in r["top_blocks"]:
+            print(f"  top {top['finetune_blocks']} block(s) on cached maps "
+                  f"{top['map_shape']}: step {top['step_s']:.3f} s "
+                  f"({r['finetune_step_s'] / top['step_s']:.1f}x faster than the whole CNN), "
+                  f"cache {top['build_s_per_image'] * 1000:.0f} ms to build, "
+                  f"{top['memory_mb_per_image']:.3f} MB in memory, "
+                  f"{top['disk_mb_per_image']:.3f} MB on disk per image view")
     print(json.dumps(rows))
     if args.json:
         with open(args.json, "w") as out:

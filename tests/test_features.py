@@ -1,4 +1,5 @@
-"""The frozen-CNN feature cache: exact features, computed once, kept on disk, stamp-checked."""
+"""The frozen-CNN feature cache: exact features, computed once, kept on disk, stamp-checked;
+and the trunk cache of phase 2 with `model.finetune_blocks` (the lower blocks' maps, fp16)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 import defrag.images
 from defrag.vocab import Vocabulary
 from trainer.config import Config
-from trainer.data.feature_cache import FeatureCache, feature_stamp
+from trainer.data.feature_cache import FeatureCache, feature_stamp, trunk_stamp
 from trainer.model import DeFragModel
 
 
-def tiny_model() -> DeFragModel:
-    cfg = Config.from_dict({"model": {"embed_dim": 8, "word_dim": 4}})
+def tiny_model(**model: object) -> DeFragModel:
+    cfg = Config.from_dict({"model": {"embed_dim": 8, "word_dim": 4, **model}})
     return DeFragModel.from_config(cfg.model, Vocabulary(["a", "b"], ["det"]), seed=0)
 
 
@@ -83,6 +84,11 @@ def test_features_survive_on_disk_per_settings(tmp_path: Path) -> None:
                                              ids), expected)
     second.save()  # nothing new computed on rank 0: no file
     assert not (second.folder / "rank-0.safetensors").exists()
+    # A resumed rank 1 adds an image to its file and keeps the ones it wrote before.
+    resumed = FeatureCache(tmp_path, stamp, rank=1)
+    resumed.lookup(model, images[:1], boxes[:1], torch.tensor([0]), ["w"])
+    resumed.save()
+    assert set(FeatureCache(tmp_path, stamp).features) == {"w", "x", "y", "z"}
     # Other settings: another subfolder, nothing shared.
     other = FeatureCache(tmp_path, feature_stamp(Config.from_dict({"model": {"image_size": 128}})))
     assert other.folder != first.folder and not other.features
@@ -122,3 +128,36 @@ def test_stamp_follows_the_decoders_version(tmp_path: Path,
     monkeypatch.setattr(defrag.images, "DECODER_VERSION", defrag.images.DECODER_VERSION + 1)
     new = FeatureCache(tmp_path, feature_stamp(Config()))
     assert new.stamp["decoder"] == old.stamp["decoder"] + 1 and new.folder != old.folder
+
+
+@pytest.mark.parametrize("region_mode", ["roi", "crop"])
+def test_trunk_maps_are_cached_in_fp16_under_a_stamp_per_cut(tmp_path: Path,
+                                                              region_mode: str) -> None:
+    """With `model.finetune_blocks` the cache holds the lower blocks' maps in fp16 (one per
+    image in roi mode, one per box in crop mode, in batch order), computed once, kept on disk in
+    a folder of their own for each cut, never the frozen features' folder."""
+    settings = {"finetune_blocks": 2, "region_mode": region_mode, "crop_size": 32}
+    model = tiny_model(**settings).eval()
+    images, boxes, box_image, ids = images_and_boxes()
+    per_image = [model.image.trunk(images[i:i + 1], boxes[box_image == i],
+                                   torch.zeros(int((box_image == i).sum()), dtype=torch.long))
+                 for i in range(len(ids))]
+    if region_mode == "roi":
+        expected = torch.cat(per_image)
+    else:  # each image's crops in its boxes' order, put back in the batch's box order
+        rows = torch.cat([torch.nonzero(box_image == i).flatten() for i in range(len(ids))])
+        expected = torch.empty_like(torch.cat(per_image))
+        expected[rows] = torch.cat(per_image)
+    cfg = Config.from_dict({"model": settings})
+    cache = FeatureCache(tmp_path, trunk_stamp(cfg), trunk=True)
+    maps = cache.lookup(model, images, boxes, box_image, ids)
+    assert maps.dtype == torch.float16 and maps.shape[1] == 192  # below the top 2 of Lite0
+    torch.testing.assert_close(maps, expected.half())
+    cache.save()
+    reopened = FeatureCache(tmp_path, trunk_stamp(cfg), trunk=True)  # black images: from disk
+    torch.testing.assert_close(reopened.lookup(model, torch.zeros_like(images), boxes,
+                                               box_image, ids), maps)
+    deeper = Config.from_dict({"model": {**settings, "finetune_blocks": 3}})
+    folders = {cache.folder, FeatureCache(tmp_path, feature_stamp(cfg)).folder,
+               FeatureCache(tmp_path, trunk_stamp(deeper), trunk=True).folder}
+    assert len(folders) == 3

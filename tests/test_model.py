@@ -303,7 +303,7 @@ def test_padded_cnn_passes_change_nothing(lite0, mode: str, freeze: bool) -> Non
                                freeze_batchnorm=freeze).train()
         encoder.pad_batches = pad
         seen: list[int] = []
-        hook = encoder.backbone.features.register_forward_hook(
+        hook = encoder.backbone.features[0].register_forward_hook(
             lambda module, args, out, seen=seen: seen.append(len(args[0])))
         v = encoder(images(19, 64), boxes, box_image)
         hook.remove()
@@ -316,6 +316,49 @@ def test_padded_cnn_passes_change_nothing(lite0, mode: str, freeze: bool) -> Non
     assert len(grads) == len(grads_pad) > 40
     for a, b in zip(grads_pad, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,k", [("roi", 1), ("roi", 3), ("crop", 2), ("roi", 18)])
+def test_top_blocks_on_the_trunk_maps_are_the_whole_cnn(lite0, mode: str, k: int) -> None:
+    """`top_features(trunk(x))` is `region_features(x)` of the uncut CNN (the same layers in the
+    same order), and close to it from the maps rounded to fp16 as the trunk cache keeps them."""
+    whole = ImageEncoder(lite0, 16, region_mode=mode, crop_size=64).eval()
+    cut = ImageEncoder(lite0, 16, region_mode=mode, crop_size=64, finetune_blocks=k).eval()
+    batch = images(3, 64)
+    with torch.no_grad():
+        expected = whole.region_features(batch, BOXES, BOX_IMAGE)
+        maps = cut.trunk(batch, BOXES, BOX_IMAGE)
+        assert len(maps) == (3 if mode == "roi" else 5)  # one per image, or per crop
+        assert maps.shape[1] == {1: 320, 2: 192, 3: 192, 18: 3}[k]  # the input of the top
+        torch.testing.assert_close(cut.top_features(maps, BOXES, BOX_IMAGE), expected,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(cut.top_features(maps.half(), BOXES, BOX_IMAGE), expected,
+                                   rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_phase_two_with_finetune_blocks_trains_the_top_blocks_only(lite0, freeze: bool) -> None:
+    encoder = ImageEncoder(copy.deepcopy(lite0), 16, finetune_blocks=2,
+                           freeze_batchnorm=freeze).train()
+    encoder.set_cnn_trainable(True)
+    encoder(images(2, 64), BOXES[:3], BOX_IMAGE[:3]).pow(2).sum().backward()
+    blocks = encoder.backbone.blocks()  # the stem, 16 MBConv blocks, the head conv
+    top = {id(p) for block in blocks[-2:] for layer in block for p in layer.parameters()}
+    learned = {id(p) for p in encoder.backbone.parameters() if p.grad is not None}
+    assert learned and learned <= top  # the last MBConv block and the head conv
+    assert learned == {id(p) for p in encoder.cnn_parameters()}
+    # the block's expand, depthwise and project convs, the head conv (+ 4 BatchNorms' weight,
+    # bias)
+    assert len(learned) == (4 if freeze else 12)
+    norms = [m for m in encoder.backbone.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    lower = {id(m) for block in blocks[:-2] for layer in block for m in layer.modules()}
+    # the cached lower blocks keep their statistics even when the top's BatchNorm trains
+    assert all(not m.training for m in norms if id(m) in lower)
+    assert all(m.training != freeze for m in norms if id(m) not in lower)
+    encoder.set_cnn_trainable(False)
+    assert not any(p.requires_grad for p in encoder.backbone.parameters())
+    with pytest.raises(ValueError, match="finetune_blocks=19: efficientnet_lite0 has 18 blocks"):
+        ImageEncoder(lite0, 16, finetune_blocks=19)
 
 
 def test_image_encoder_rejects_unknown_region_mode(lite0) -> None:

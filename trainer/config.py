@@ -78,6 +78,11 @@ class ModelConfig:
     crop_size: PositiveInt = 224  # input size of each warped crop in crop mode
     roi_output_size: PositiveInt = 7  # RoIAlign output grid on the feature map in roi mode
     freeze_batchnorm: bool = True  # keep BN statistics and affine params fixed (tiny batches)
+    # Phase 2 finetunes the CNN's top K blocks (and the head W_m), the blocks below them fixed:
+    # their output maps are computed once per image and view and cached (fp16), so a step runs
+    # only the top. None: the whole CNN is finetuned (the paper's phase 2, ~11 s a step on 2 CPU
+    # cores). EfficientNet-Lite has 18 blocks: the stem, 16 MBConv blocks, the head conv.
+    finetune_blocks: PositiveInt | None = None
     fullframe_only: bool = False  # ablation: only the whole-image box
     # DeViSE-style baseline: an image is the mean of its region embeddings and a sentence the
     # linear map (one W_R, no ReLU) of the mean of its word vectors (fragment_mode bow); use
@@ -303,7 +308,7 @@ RESUME_FIXED = frozenset({
     "model.dtrnn_max_children", "model.word_dim", "model.word_vectors",
     "model.train_word_vectors", "model.backbone", "model.region_mode", "model.image_size",
     "model.crop_size", "model.roi_output_size", "model.freeze_batchnorm", "model.fullframe_only",
-    "model.mean_pool",
+    "model.mean_pool", "model.finetune_blocks",
     # the objective the weights were trained for, its negatives, and the score the best is kept by
     "objective.beta", "objective.margin", "objective.smooth", "objective.mil",
     "objective.balance", "objective.use_fragment", "objective.use_global",

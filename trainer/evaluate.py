@@ -133,7 +133,8 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
                    progress: bool = False) -> Embedded:
     """This rank's share of an eval set, streamed and embedded `image_batch` images at a time.
 
-    With a `cache` (the CNN is frozen), box features come from it and the CNN runs once."""
+    With a `cache` (the CNN is frozen), box features come from it and the CNN runs once; with a
+    trunk cache (its top blocks finetune), the lower blocks' maps come from it."""
     was_training = model.training
     model.eval()
     parts = []
@@ -147,6 +148,8 @@ def embed_eval_set(model: DeFragModel, eval_set: EvalSet, device: torch.device |
             else:
                 features = cache.lookup(model, batch.images, batch.boxes, batch.box_image,
                                         batch.image_ids, batch.decoded)
+                if cache.trunk:
+                    features = model.image.top_features(features, batch.boxes, batch.box_image)
             v = model.image.project(features, batch.box_image).float().cpu()
             inputs, sentences = model.sentence.batch_inputs(batch), len(batch.captions)
             s = model.sentence(*inputs, num_sentences=sentences).float().cpu()

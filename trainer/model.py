@@ -42,11 +42,16 @@ def cnn_batch_size(rows: int) -> int:
 
 
 class ImageEncoder(nn.Module):
-    """Eq. 2: a CNN over each box, then the linear map W_m into the fragment space."""
+    """Eq. 2: a CNN over each box, then the linear map W_m into the fragment space.
+
+    The CNN runs in two parts, `trunk` (its lower blocks) then `top_features` (its top
+    `finetune_blocks` blocks, RoIAlign or pooling): with the lower blocks fixed, a trainer caches
+    the trunk's maps and finetunes only the top (phase 2 of the paper, Section 3.4)."""
 
     def __init__(self, backbone: Backbone, embed_dim: int, region_mode: str = "roi",
                  crop_size: int = 224, roi_output_size: int = 7,
-                 freeze_batchnorm: bool = True, mean_pool: bool = False) -> None:
+                 freeze_batchnorm: bool = True, mean_pool: bool = False,
+                 finetune_blocks: int | None = None) -> None:
         super().__init__()
         if region_mode not in REGION_MODES:
             raise ValueError(f"region mode {region_mode!r}: expected one of {REGION_MODES}")
@@ -60,6 +65,10 @@ class ImageEncoder(nn.Module):
         self.roi_output_size = roi_output_size
         self.freeze_batchnorm = freeze_batchnorm
         self.mean_pool = mean_pool
+        self.finetune_blocks = finetune_blocks
+        # (lower, top) share the backbone's layers; a tuple is not registered, so the state dict
+        # keeps the backbone's names
+        self.parts = self.backbone.split(finetune_blocks)
         self.pad_batches: bool | None = None  # pad CNN passes to cnn_batch_size; None: on CUDA
         self.cnn_trainable = True
         # The ImageNet classifier is not part of eq. 2: never trained (DDP would wait for its
@@ -83,33 +92,53 @@ class ImageEncoder(nn.Module):
         `box_image` [Nv] is the batch index of each box's image; pixels are floats in [0, 1].
         Split from `project` so a trainer can cache the features of a frozen CNN.
         """
+        return self.top_features(self.trunk(images, boxes, box_image), boxes, box_image)
+
+    def trunk(self, images: torch.Tensor, boxes: torch.Tensor,
+              box_image: torch.Tensor) -> torch.Tensor:
+        """The lower blocks' maps: one per image in `roi` mode [B, C, h, w], one per box in
+        `crop` mode [Nv, C, h, w] (the normalised pixels when every block is finetuned)."""
         if boxes.shape[0] != box_image.shape[0]:
             raise ValueError(f"{boxes.shape[0]} boxes but {box_image.shape[0]} box_image rows")
-        rois = torch.cat([box_image.to(boxes.dtype).unsqueeze(1), boxes], dim=1)
         pixels = self.backbone.normalize(images)
+        if self.region_mode == "crop":
+            # the paper: every box warped to crop_size x crop_size pixels, one CNN pass each
+            pixels = torchvision.ops.roi_align(pixels, self._rois(boxes, box_image),
+                                               output_size=self.crop_size, aligned=True)
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return self._cnn(self.parts[0], pixels)
+
+    def top_features(self, maps: torch.Tensor, boxes: torch.Tensor,
+                     box_image: torch.Tensor) -> torch.Tensor:
+        """CNN(I_b) [Nv, feature_dim] from the `trunk`'s maps (e.g. cached, fp16): the top
+        blocks, then RoIAlign of each box on its image's feature map (`roi`, one CNN pass per
+        image: ~20x cheaper than crops) or each crop's pooled map (`crop`)."""
+        maps = maps.to(self.projection.weight.dtype).contiguous(memory_format=torch.channels_last)
+        fmap = self._cnn(self.parts[1], maps)
         if self.region_mode == "roi":
-            # One CNN pass per image, then RoIAlign on its feature map (~20x cheaper than crops).
-            grid = torchvision.ops.roi_align(self._cnn(pixels), rois,
+            fmap = torchvision.ops.roi_align(fmap, self._rois(boxes, box_image),
                                              output_size=self.roi_output_size,
                                              spatial_scale=1.0 / self.backbone.stride,
                                              aligned=True)
-            return self.backbone.pool(grid)
-        # crop (the paper): warp every box to crop_size x crop_size pixels, one CNN pass each.
-        crops = torchvision.ops.roi_align(pixels, rois, output_size=self.crop_size, aligned=True)
-        crops = crops.contiguous(memory_format=torch.channels_last)
-        return self.backbone.pool(self._cnn(crops))
+        return self.backbone.pool(fmap)
 
-    def _cnn(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The CNN's feature maps of `pixels`, passed padded with zero images to
+    @staticmethod
+    def _rois(boxes: torch.Tensor, box_image: torch.Tensor) -> torch.Tensor:
+        """torchvision's RoI rows [Nv, 5]: (batch index, x1, y1, x2, y2)."""
+        return torch.cat([box_image.to(boxes.dtype).unsqueeze(1), boxes], dim=1)
+
+    def _cnn(self, layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        """`layers` (a part of the CNN) on `x`, passed padded with zero rows to
         `cnn_batch_size` rows where `pad_batches` says so (never while a BatchNorm layer uses
         batch statistics, which the padding would change)."""
-        rows = len(pixels)
+        rows = len(x)
         pad = cnn_batch_size(rows) - rows
-        wanted = pixels.is_cuda if self.pad_batches is None else self.pad_batches
-        if not wanted or pad == 0 or any(module.training for module in self._batchnorms()):
-            return self.backbone.features(pixels)
-        padded = torch.cat([pixels, pixels.new_zeros(pad, *pixels.shape[1:])])
-        return self.backbone.features(padded.contiguous(memory_format=torch.channels_last))[:rows]
+        wanted = x.is_cuda if self.pad_batches is None else self.pad_batches
+        if (not len(layers) or not wanted or pad == 0
+                or any(module.training for module in self._batchnorms())):
+            return layers(x)
+        padded = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        return layers(padded.contiguous(memory_format=torch.channels_last))[:rows]
 
     def project(self, features: torch.Tensor, box_image: torch.Tensor) -> torch.Tensor:
         """W_m features + b_m (eq. 2): CNN features [Nv, feature_dim] -> [Nv, embed_dim].
@@ -120,30 +149,31 @@ class ImageEncoder(nn.Module):
         return mean_by_owner(v, box_image) if self.mean_pool else v
 
     def set_cnn_trainable(self, flag: bool) -> None:
-        """Train (phase 2) or fix (phase 1) the CNN's parameters.
+        """Train (phase 2) or fix (phase 1) the CNN's top blocks; the blocks below them stay
+        fixed either way.
 
-        Frozen BatchNorm affine parameters stay fixed either way, and a fixed CNN also keeps its
-        BatchNorm statistics, so its features are a pure function of the pixels (cacheable).
+        Frozen BatchNorm affine parameters stay fixed either way, and a fixed CNN (or lower
+        part) also keeps its BatchNorm statistics, so its output is a pure function of the
+        pixels (cacheable).
         """
         self.cnn_trainable = flag
-        for parameter in self.backbone.features.parameters():
+        self.backbone.features.requires_grad_(False)
+        for parameter in self.cnn_parameters():
             parameter.requires_grad_(flag)
-        if self.freeze_batchnorm:
-            for module in self._batchnorms():
-                for parameter in module.parameters():
-                    parameter.requires_grad_(False)
         self.train(self.training)
 
     def train(self, mode: bool = True) -> ImageEncoder:
         """nn.Module.train, except fixed BatchNorm layers stay in eval mode (running stats)."""
         super().train(mode)
-        if self.freeze_batchnorm or not self.cnn_trainable:
-            for module in self._batchnorms():
-                module.eval()
+        fixed = self._batchnorms() if self.freeze_batchnorm or not self.cnn_trainable else (
+            m for m in self.parts[0].modules() if isinstance(m, BATCHNORMS))
+        for module in fixed:
+            module.eval()
         return self
 
     def cnn_parameters(self) -> list[nn.Parameter]:
-        """Backbone parameters that can ever train (all but frozen BatchNorm affine ones).
+        """The top blocks' parameters that can ever train (all but frozen BatchNorm affine
+        ones).
 
         Independent of the current `set_cnn_trainable` state, so one optimizer built at the start
         covers both phases.
@@ -151,7 +181,7 @@ class ImageEncoder(nn.Module):
         frozen = set()
         if self.freeze_batchnorm:
             frozen = {id(p) for module in self._batchnorms() for p in module.parameters()}
-        return [p for p in self.backbone.features.parameters() if id(p) not in frozen]
+        return [p for p in self.parts[1].parameters() if id(p) not in frozen]
 
     def _batchnorms(self) -> Iterator[nn.Module]:
         return (m for m in self.backbone.modules() if isinstance(m, BATCHNORMS))
@@ -177,18 +207,23 @@ class DeFragModel(nn.Module):
             backbone = build_backbone(cfg.backbone, cfg.pretrained, cfg.backbone_weights)
             sentence = encoder_class(cfg.sentence_encoder).from_config(cfg, vocab, word_vectors)
             image = ImageEncoder(backbone, cfg.embed_dim, cfg.region_mode, cfg.crop_size,
-                                 cfg.roi_output_size, cfg.freeze_batchnorm, cfg.mean_pool)
+                                 cfg.roi_output_size, cfg.freeze_batchnorm, cfg.mean_pool,
+                                 cfg.finetune_blocks)
         return cls(sentence, image)
 
     def forward(self, images: torch.Tensor | None, boxes: torch.Tensor, box_image: torch.Tensor,
                 *sentence_inputs: torch.Tensor, features: torch.Tensor | None = None,
+                maps: torch.Tensor | None = None,
                 num_sentences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image fragments v [Nv, embed_dim] (eq. 2) and sentence rows s [Ns, embed_dim]: the
         sentence encoder of `sentence_inputs` (its `inputs` fields of the Batch) for
         `num_sentences` sentences; see ImageEncoder.region_features for the image inputs.
         Given `features` (the boxes' CNN features, e.g. cached from a frozen CNN), the CNN is
-        skipped and `images` may be None (a feature-only batch, trainer/batch.py)."""
-        if features is None:
+        skipped; given `maps` (the trunk's, e.g. cached), only its top blocks run. Either way
+        `images` may be None (a feature-only batch, trainer/batch.py)."""
+        if maps is not None:
+            features = self.image.top_features(maps, boxes, box_image)
+        elif features is None:
             features = self.image.region_features(images, boxes, box_image)
         s = self.sentence(*sentence_inputs, num_sentences=num_sentences)
         return self.image.project(features, box_image), s

@@ -1,11 +1,15 @@
-"""Frozen-CNN region features, computed once per image and reused (phase 1, frozen-CNN runs).
+"""What the fixed part of the CNN computes, once per image and view and reused: the region
+features of a frozen CNN (phase 1, frozen-CNN runs), or the lower blocks' maps while the top
+`model.finetune_blocks` blocks finetune (phase 2; kept in fp16).
 
 A fixed CNN (its BatchNorm included) makes each box's features a pure function of the image and
-its boxes, so they are cached by image id: in memory, and optionally in a folder on disk
+its boxes, and a fixed lower part its maps a function of the image, so they are cached by image
+id (a mirrored view has its own id): in memory, and optionally in a folder on disk
 (`run.feature_cache`) that later runs and other experiments on the same shards reuse. The
-features of one set of settings (`feature_stamp`) live in a subfolder named by the settings'
-hash, so runs with other settings (image size, boxes, backbone) never mix theirs; each rank
-writes the features it computed to its own safetensors file there, stamped with the settings.
+entries of one set of settings (`feature_stamp`, `trunk_stamp`) live in a subfolder named by
+the settings' hash, so runs with other settings (image size, boxes, backbone, cut) never mix
+theirs; each rank writes what it computed to its own safetensors file there, stamped with the
+settings.
 """
 
 from __future__ import annotations
@@ -55,11 +59,20 @@ def feature_stamp(cfg: Config) -> dict[str, Any]:
             "decoder": f"{decoder}+device" if cfg.data.decode == "device" else decoder}
 
 
+def trunk_stamp(cfg: Config) -> dict[str, Any]:
+    """What the lower blocks' cached maps depend on: the feature stamp and where the CNN is cut."""
+    return {**feature_stamp(cfg), "cached": "trunk maps (fp16)",
+            "finetune_blocks": cfg.model.finetune_blocks}
+
+
 class FeatureCache:
-    """CNN(I_b) of every box of an image, by image id; `lookup` computes only what is missing."""
+    """CNN(I_b) of every box of an image (or, with `trunk`, the maps of `ImageEncoder.trunk`:
+    one per image in roi mode, one per box in crop mode), by image id; `lookup` computes only
+    what is missing."""
 
     def __init__(self, folder: str | Path | None = None, stamp: dict[str, Any] | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, trunk: bool = False) -> None:
+        self.trunk = trunk
         self.stamp = stamp or {}
         key = hashlib.sha256(json.dumps(self.stamp, sort_keys=True).encode()).hexdigest()[:16]
         self.folder = Path(folder) / key if folder else None
@@ -74,7 +87,8 @@ class FeatureCache:
     def lookup(self, model: DeFragModel, images: torch.Tensor | None, boxes: torch.Tensor,
                box_image: torch.Tensor, image_ids: list[str],
                decoded: Sequence[bool] | None = None) -> torch.Tensor:
-        """Features [len(boxes), feature_dim] of the boxes of `images`, on the boxes' device.
+        """Features [len(boxes), feature_dim] of the boxes of `images` (with `trunk`: the maps,
+        fp16, one per image or box), on the boxes' device.
 
         `decoded` (a Batch's; default all) says which images have pixels: only those can be
         computed, the others must be cached."""
@@ -87,13 +101,16 @@ class FeatureCache:
         # The CNN runs on the missing images only, one at a time: an image's features must not
         # depend on the images that shared its forward pass (CPU convolutions round differently
         # for other batch sizes), or a run resumed mid-epoch would drift from the original.
+        compute = model.image.trunk if self.trunk else model.image.region_features
         for i in missing:
             keep = box_image == i
-            fresh = model.image.region_features(images[i:i + 1], boxes[keep],
-                                                torch.zeros_like(box_image[keep]))
-            self.features[image_ids[i]] = fresh.float().cpu()
+            fresh = compute(images[i:i + 1], boxes[keep], torch.zeros_like(box_image[keep]))
+            self.features[image_ids[i]] = fresh.to(torch.float16 if self.trunk
+                                                   else torch.float32).cpu()
             self.computed.add(image_ids[i])
         self.unsaved += len(missing)
+        if self.trunk and model.image.region_mode == "roi":  # one map per image, in batch order
+            return torch.cat([self.features[key] for key in image_ids]).to(boxes.device)
         counts = torch.bincount(box_image, minlength=len(image_ids)).tolist()
         for key, count in zip(image_ids, counts, strict=True):
             if len(self.features[key]) != count:
@@ -131,6 +148,8 @@ class FeatureCache:
                 keys = handle.keys()  # a safe_open handle is not iterable
                 for key in keys:
                     self.features[key] = handle.get_tensor(key)
+                if path.name == f"rank-{self.rank}.safetensors":  # rewritten whole by `save`
+                    self.computed.update(keys)
                     if path.name == f"rank-{self.rank}.safetensors":
                         self.computed.add(key)
         if self.features:

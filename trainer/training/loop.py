@@ -2,7 +2,8 @@
 
     for each epoch:
         phase 1 (the first `frozen_cnn_epochs`): objective C_0 (no MIL), CNN fixed
-        phase 2: objective C_F (MIL) and the CNN finetuned end to end
+        phase 2: objective C_F (MIL) and the CNN finetuned end to end (its top
+                 `model.finetune_blocks` blocks, on the cached maps of the blocks below)
         lr x lr_decay per epoch (1: none), x anneal_factor for the last `anneal_last_epochs`
         for each batch: embed fragments, C_F + beta C_G over the global batch, optimizer step
         validate (retrieval on the val split), keep the best model by val rsum, checkpoint
@@ -25,7 +26,7 @@ from defrag.vocab import Vocabulary
 from trainer.batch import Batch, batches_on_device, unit_float
 from trainer.config import Config
 from trainer.data.eval_set import load_eval_set
-from trainer.data.feature_cache import FeatureCache, feature_stamp
+from trainer.data.feature_cache import FeatureCache, feature_stamp, trunk_stamp
 from trainer.data.shardset import training_featurizer
 from trainer.data.train_loader import MIRROR, make_train_loader
 from trainer.evaluate import evaluate_model
@@ -63,8 +64,13 @@ class Trainer:
                                   objective.mil, objective.balance, objective.use_fragment,
                                   objective.use_global, objective.hardest_negative,
                                   ctx.world_size, cfg.run.global_negatives, objective.score)
+        caching = cfg.run.cache_frozen_features
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
-                      if cfg.run.cache_frozen_features else None)
+                      if caching else None)
+        # phase 2 with model.finetune_blocks: the maps of the fixed blocks below the top ones
+        self.trunk_cache = (FeatureCache(cfg.run.feature_cache, trunk_stamp(cfg), ctx.rank,
+                                         trunk=True)
+                            if caching and cfg.model.finetune_blocks else None)
         self.loader, self.steps = make_train_loader(cfg, vocab, ctx.rank, ctx.world_size,
                                                     device=ctx.device)
         self.eval_set = load_eval_set(cfg, vocab, rank=ctx.rank, world_size=ctx.world_size)
@@ -144,27 +150,36 @@ class Trainer:
                 if every and self.state.global_step % every == 0 and index + 1 < steps:
                     self.checkpoint()
 
+    def frozen_cache(self, finetuning: bool) -> FeatureCache | None:
+        """The cache of what the CNN's fixed part computes in a phase: the boxes' features of
+        the fixed CNN, or, while its top blocks finetune, the maps of the blocks below them
+        (None: nothing is cached, or the whole CNN finetunes)."""
+        return self.trunk_cache if finetuning else self.cache
+
     def cached_images(self, epoch: int) -> frozenset[str]:
-        """Images whose pixels this frozen-CNN epoch need not decode: their features are in this
-        rank's cache (from a previous epoch, or the disk cache)."""
-        if self.cache is None or finetunes_cnn(epoch, self.cfg):
+        """Images whose pixels this epoch need not decode: their features (or trunk maps) are
+        in this rank's cache (from a previous epoch, or the disk cache)."""
+        cache = self.frozen_cache(finetunes_cnn(epoch, self.cfg))
+        if cache is None:
             return frozenset()
-        cached = self.cache.features  # with data.hflip, a pass may show either view
+        cached = cache.features  # with data.hflip, a pass may show either view
         return frozenset(key for key in cached
                          if not self.cfg.data.hflip or key + MIRROR in cached)
 
     def train_step(self, batch: Batch, epoch: int) -> dict[str, float]:
         """One optimizer step on the global batch (forward, loss, backward, step): the global
         loss terms."""
-        features = None
-        if self.cache is not None and not finetunes_cnn(epoch, self.cfg):
-            features = self.cache.lookup(self.model, batch.images, batch.boxes, batch.box_image,
-                                         batch.image_ids, batch.decoded)
+        cached = {}
+        cache = self.frozen_cache(finetunes_cnn(epoch, self.cfg))
+        if cache is not None:
+            rows = cache.lookup(self.model, batch.images, batch.boxes, batch.box_image,
+                                batch.image_ids, batch.decoded)
+            cached = {"maps" if cache.trunk else "features": rows}
         inputs, pairs = self.model.sentence.batch_inputs(batch), len(batch.image_key)
         with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16,
                             enabled=self.cfg.run.bf16 and self.ctx.device.type == "cuda"):
             v_box, s = self.engine(batch.images, batch.boxes, batch.box_image, *inputs,
-                                   features=features, num_sentences=pairs)
+                                   **cached, num_sentences=pairs)
         v, v_owner = image_fragments_per_pair(v_box.float(), batch)
         out = self.loss_fn(v, v_owner, s.float(), self.model.sentence.owners(inputs, pairs),
                            batch.image_key)
@@ -225,7 +240,7 @@ class Trainer:
         """Retrieval metrics of the val split: every rank embeds its share of the val shards,
         rank 0 scores them; every rank learns the val rsum."""
         rsum = torch.zeros(1)
-        frozen = self.cache if not self.engine_finetunes else None
+        frozen = self.frozen_cache(bool(self.engine_finetunes))
         result = evaluate_model(self.model, self.eval_set, self.cfg, self.ctx.device,
                                 progress=self.ctx.is_main, cache=frozen)
         metrics: dict[str, float] = {}
@@ -285,8 +300,9 @@ class Trainer:
         return picture
 
     def checkpoint(self) -> None:
-        if self.cache is not None:
-            self.cache.save()
+        for cache in (self.cache, self.trunk_cache):
+            if cache is not None:
+                cache.save()
         self.state.mlflow_run_id = self.tracker.run_id
         self.state.finetunes_cnn = bool(self.engine_finetunes)
         save_checkpoint(self.engine, self.state, self.run_dir, self.ctx.rank,
