@@ -48,7 +48,7 @@ NonNegativeFloat = Annotated[float, Above(0)]
 # model.sentence_encoder: the modules of trainer/encoders, each with whether it reads a sentence
 # whole into one vector (Kiros', Socher's) instead of into one vector per fragment (eq. 1)
 WHOLE_SENTENCE = {"fragments": False, "linear": True, "gru": True, "lstm": True, "dtrnn": True,
-                  "sdtrnn": True}
+                  "sdtrnn": True, "bigru": False}
 SentenceEncoderName = Literal[tuple(WHOLE_SENTENCE)]
 
 
@@ -58,7 +58,8 @@ class ModelConfig:
 
     embed_dim: PositiveInt = 1000  # size of the fragment space; "approximately 1000" (3.1)
     # fragments: DeFrag's eq. 1; lstm, linear: Kiros et al. 2014 (one vector per sentence; their
-    # K = 300 is model.embed_dim = model.word_dim = 300, see launch/flickr8k.py)
+    # K = 300 is model.embed_dim = model.word_dim = 300, see launch/flickr8k.py); bigru: SCAN's
+    # one row per word (Lee et al. 2018, 3.4), for objective.score=scan_t2i / scan_i2t
     sentence_encoder: SentenceEncoderName = "fragments"
     # Sentence fragments (eq. 1; the fragments encoder only)
     fragment_mode: Literal["triplet", "bow", "bigram"] = "triplet"  # bow, bigram: ablations
@@ -106,8 +107,16 @@ class ObjectiveConfig:
     # negatives early in training gives little signal)
     hardest_negative_from_epoch: NonNegativeInt = 0
     # image-sentence score S_kl of eq. 7 and evaluation: eq6 (DeFrag); cosine (Kiros 2.2) or
-    # inner (Socher et al.) of the mean image fragment and the mean sentence row
-    score: Literal["eq6", "cosine", "inner"] = "eq6"
+    # inner (Socher et al.) of the mean image fragment and the mean sentence row; scan_t2i,
+    # scan_i2t: SCAN's stacked cross attention (Lee et al. 2018, 3.1), words from model.
+    # sentence_encoder=bigru
+    score: Literal["eq6", "cosine", "inner", "scan_t2i", "scan_i2t"] = "eq6"
+    # SCAN (3.1): the attention softmax's inverse temperature lambda1, how the words' (t2i) or
+    # regions' (i2t) relevances make S (LogSumExp with lambda2, or their mean); None: the paper's
+    # Flickr30K best for the direction (t2i: lambda1 9, lse; i2t: lambda1 4, avg)
+    scan_lambda1: PositiveFloat | None = None
+    scan_aggregation: Literal["lse", "avg"] | None = None
+    scan_lambda2: PositiveFloat = 6.0
 
 
 @dataclass
@@ -255,6 +264,10 @@ class Config:
                 raise ConfigError(f"model.mean_pool is the fragments encoder's DeViSE baseline; "
                                   f"with model.sentence_encoder={encoder} use objective.score="
                                   f"inner or cosine (the mean image fragment) instead")
+        score = self.objective.score
+        if score.startswith("scan_") and encoder != "bigru":
+            raise ConfigError(f"objective.score={score} (SCAN) attends over each word's row: it "
+                              f"needs model.sentence_encoder=bigru, not {encoder}")
         if self.caption.min_length > self.caption.max_length:
             raise ConfigError(f"caption.min_length {self.caption.min_length} is above "
                               f"caption.max_length {self.caption.max_length}")
@@ -313,6 +326,7 @@ RESUME_FIXED = frozenset({
     "objective.beta", "objective.margin", "objective.smooth", "objective.mil",
     "objective.balance", "objective.use_fragment", "objective.use_global",
     "objective.hardest_negative", "objective.hardest_negative_from_epoch", "objective.score",
+    "objective.scan_lambda1", "objective.scan_aggregation", "objective.scan_lambda2",
     "run.global_negatives",
     # the optimizer's saved state, and the step counters (a step is batch_size pairs)
     "optim.optimizer", "optim.batch_size",

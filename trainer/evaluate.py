@@ -1,7 +1,7 @@
 """Bidirectional retrieval evaluation: the score matrix of a test set and its metrics.
 
 `score_eval_set` turns a test set into image-sentence scores S [N_img, N_sent] with
-`trainer.objectives.score_matrix` (eq. 6 in bounded memory, or the training's other
+`trainer.objectives.score_matrix` (eq. 6 or SCAN's in bounded memory, or the training's other
 `objective.score`: cosine, inner).
 `retrieval_metrics` ranks with S in both directions (docs/design.md section 5, the vsepp / SCAN
 convention); `hodosh_metrics` is the paper's protocol for comparing with Hodosh et al.
@@ -34,7 +34,7 @@ from trainer.data.feature_cache import FeatureCache, feature_stamp
 from trainer.data.reader import DataProblem
 from trainer.data.shardset import is_folder, training_manifest
 from trainer.model import DeFragModel
-from trainer.objectives import score_matrix
+from trainer.objectives import scan_settings, score_matrix
 from trainer.store.model_folder import ModelFolder
 
 RECALL_AT = (1, 5, 10)
@@ -209,7 +209,7 @@ def score_eval_set(model: DeFragModel, eval_set: EvalSet, cfg: Config,
     scores = score_matrix(embedded.v, embedded.box_image, embedded.s, embedded.fragment_sentence,
                           embedded.num_images, embedded.num_sentences, cfg.objective.smooth,
                           cfg.eval.chunk_images, cfg.eval.chunk_sentences, progress=progress,
-                          score=cfg.objective.score)
+                          score=cfg.objective.score, scan=scan_settings(cfg.objective))
     return scores, embedded, line
 
 

@@ -1,5 +1,6 @@
 """The DeFrag objective (paper Section 3.3): C = C_F + beta * C_G (eq. 3), on one rank or many;
-with `score` cosine or inner, C_G is Kiros et al.'s / Socher et al.'s ranking loss.
+with `score` cosine or inner, C_G is Kiros et al.'s / Socher et al.'s ranking loss; with scan_t2i
+or scan_i2t and `hardest_negative`, SCAN's (Lee et al. 2018, 3.1-3.2).
 
 Names, one per idea, the same from the batch (trainer/batch.py) through the model to this loss:
   pair k           the k-th (image, sentence) of a batch; sentence k is pair k's caption, so a
@@ -22,7 +23,8 @@ Names, one per idea, the same from the batch (trainer/batch.py) through the mode
                    each other's negatives (`trainer.data.reader.image_key` of the image's id)
   image_id         an image's name in the dataset (str; `Batch.image_ids` per image row)
   F = v s^T        fragment scores; S [images, sentences]: image-sentence scores, eq. 6's
-                   (`pair_scores`) or another `score` (`image_sentence_scores`)
+                   (`pair_scores`) or another `score` (`image_sentence_scores`; SCAN's:
+                   `scan_scores`)
   score_matrix     S of a whole test set or index (trainer.evaluate, trainer/search): eq. 6
                    by `pair_scores` one block of images x sentences at a time, so that a
                    1,000-image test set never holds its [20k, 50k] fragment scores at once
@@ -40,7 +42,7 @@ DeepSpeed take of the gradients, is the global batch's loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,8 +50,52 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from trainer.config import ObjectiveConfig
+
 TERMS = ("loss", "fragment", "global")  # the values of DeFragLoss's output
-SCORES = ("eq6", "cosine", "inner")  # objective.score
+SCAN_SCORES = ("scan_t2i", "scan_i2t")  # SCAN's two directions (Lee et al. 2018, 3.1)
+SCORES = ("eq6", "cosine", "inner", *SCAN_SCORES)  # objective.score
+AGGREGATIONS = ("lse", "avg")  # SCAN's pooling of the relevances R into S (3.1)
+_EPS = 1e-8  # SCAN's guard of its norms' divisions
+
+
+@dataclass(frozen=True)
+class ScanSettings:
+    """SCAN's knobs (objective.scan_*): the attention's inverse temperature lambda1, the pooling
+    of the relevances (`AGGREGATIONS`) and LogSumExp's lambda2; None: the paper's Flickr30K best
+    for the direction (`PAPER_SCAN`)."""
+
+    lambda1: float | None = None
+    aggregation: str | None = None
+    lambda2: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.lambda1 is not None and not self.lambda1 > 0:
+            raise ValueError(f"SCAN lambda1 must be > 0: got {self.lambda1}")
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"SCAN aggregation {self.aggregation!r}: expected one of "
+                             f"{AGGREGATIONS}")
+        if not self.lambda2 > 0:
+            raise ValueError(f"SCAN lambda2 must be > 0: got {self.lambda2}")
+
+    def resolved(self, score: str) -> tuple[float, str, float]:
+        """(lambda1, aggregation, lambda2) of the direction `score`, the paper's where unset."""
+        lambda1, aggregation = PAPER_SCAN[score]
+        return (lambda1 if self.lambda1 is None else self.lambda1,
+                aggregation if self.aggregation is None else self.aggregation, self.lambda2)
+
+
+# SCAN's Flickr30K best (Lee et al. 2018, Section 4): t2i lambda1 = 9, LSE with lambda2 = 6;
+# i2t lambda1 = 4, AVG
+PAPER_SCAN = {"scan_t2i": (9.0, "lse"), "scan_i2t": (4.0, "avg")}
+DEFAULT_SCAN = ScanSettings()
+
+
+def scan_settings(objective: ObjectiveConfig) -> ScanSettings:
+    """The ScanSettings of a config's objective.scan_* keys."""
+    return ScanSettings(objective.scan_lambda1, objective.scan_aggregation,
+                        objective.scan_lambda2)
 
 
 def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
@@ -66,12 +112,12 @@ def pair_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
 def score_matrix(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
                  num_sentences: int, smooth: float = 5.0, chunk_images: int = 64,
                  chunk_sentences: int = 512, progress: bool = False,
-                 score: str = "eq6") -> Tensor:
-    """`pair_scores` (eq. 6) of a whole test set, one block of chunk_images images x
-    chunk_sentences sentences at a time: fragment scores exist one block at a time.
+                 score: str = "eq6", scan: ScanSettings = DEFAULT_SCAN) -> Tensor:
+    """`pair_scores` (eq. 6) or `scan_scores` of a whole test set, one block of chunk_images
+    images x chunk_sentences sentences at a time: fragment scores exist one block at a time.
 
-    v_owner / s_owner give each fragment's image / sentence, in any order. Another `score`
-    (cosine, inner) is `image_sentence_scores` of the mean rows, at once.
+    v_owner / s_owner give each fragment's image / sentence, in any order. Cosine and inner
+    (`image_sentence_scores` of the mean rows) are scored at once.
     """
     _check_fragments("v", v, v_owner, num_images)
     _check_fragments("s", s, s_owner, num_sentences)
@@ -83,7 +129,7 @@ def score_matrix(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_ima
                          f"chunk_sentences={chunk_sentences}")
     if smooth < 0:
         raise ValueError(f"smooth must be >= 0: got {smooth}")
-    if score != "eq6":
+    if score not in ("eq6", *SCAN_SCORES):
         return image_sentence_scores(v, v_owner.to(v.device), s, s_owner.to(s.device),
                                      num_images, num_sentences, smooth, score)
 
@@ -101,8 +147,9 @@ def score_matrix(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_ima
             for l0 in sentence_chunks:
                 l1 = min(l0 + chunk_sentences, num_sentences)
                 s_rows = slice(s_start[l0], s_start[l1])
-                scores[k0:k1, l0:l1] = pair_scores(v[v_rows], v_owner[v_rows] - k0, s[s_rows],
-                                                   s_owner[s_rows] - l0, k1 - k0, l1 - l0, smooth)
+                scores[k0:k1, l0:l1] = image_sentence_scores(
+                    v[v_rows], v_owner[v_rows] - k0, s[s_rows], s_owner[s_rows] - l0, k1 - k0,
+                    l1 - l0, smooth, score, scan)
                 bar.update()
     return scores
 
@@ -139,13 +186,16 @@ def owner_means(x: Tensor, owner: Tensor, num_owners: int) -> Tensor:
 
 def image_sentence_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
                           num_images: int, num_sentences: int, smooth: float = 5.0,
-                          score: str = "eq6") -> Tensor:
-    """S [num_images, num_sentences] of `score`: eq6 (`pair_scores`), else the mean image
-    fragment x_k against the mean sentence row v_l (one row for whole-sentence encoders):
-    inner = x_k . v_l (Socher et al. 2014, Section 4), cosine = the same of unit vectors
-    (Kiros et al. 2014, Section 2.2). An image or sentence without rows scores 0."""
+                          score: str = "eq6", scan: ScanSettings = DEFAULT_SCAN) -> Tensor:
+    """S [num_images, num_sentences] of `score`: eq6 (`pair_scores`), SCAN's (`scan_scores`),
+    else the mean image fragment x_k against the mean sentence row v_l (one row for
+    whole-sentence encoders): inner = x_k . v_l (Socher et al. 2014, Section 4), cosine = the
+    same of unit vectors (Kiros et al. 2014, Section 2.2). An image or sentence without rows
+    scores 0."""
     if score == "eq6":
         return pair_scores(v, v_owner, s, s_owner, num_images, num_sentences, smooth)
+    if score in SCAN_SCORES:
+        return scan_scores(v, v_owner, s, s_owner, num_images, num_sentences, score, scan)
     if score not in SCORES:
         raise ValueError(f"score {score!r}: expected one of {SCORES}")
     images = owner_means(v, v_owner, num_images)
@@ -153,6 +203,75 @@ def image_sentence_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor
     if score == "cosine":
         images, sentences = nn.functional.normalize(images), nn.functional.normalize(sentences)
     return images @ sentences.T
+
+
+def scan_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_images: int,
+                num_sentences: int, score: str, scan: ScanSettings = DEFAULT_SCAN) -> Tensor:
+    """SCAN's S(I, T) [num_images, num_sentences] (Lee et al. 2018, 3.1), rows L2-normalised.
+
+    scan_t2i: s_ij = cos(v_i, e_j), s'_ij = [s_ij]_+ / sqrt(sum_i [s_ij]_+^2), alpha_ij =
+    softmax_i(lambda1 s'_ij), a_j = sum_i alpha_ij v_i, R_j = cos(e_j, a_j), S = LSE (1/lambda2)
+    log sum_j exp(lambda2 R_j) or AVG mean_j R_j. scan_i2t: the same with regions and words
+    swapped. R needs only e_j . a_j = sum_i alpha_ij s_ij and |a_j|^2 = alpha_j^T G alpha_j with
+    G the image's region Gram (the sentence's word Gram for i2t): no attended vector is built.
+    An image or sentence without rows scores 0.
+    """
+    lambda1, aggregation, lambda2 = scan.resolved(score)
+    scores = v.new_zeros(num_images, num_sentences)
+    if len(v) == 0 or len(s) == 0:
+        return scores
+    v, s = nn.functional.normalize(v, dim=1), nn.functional.normalize(s, dim=1)
+    images, v_index, v_mask = _padded_layout(v_owner)
+    sentences, s_index, s_mask = _padded_layout(s_owner)
+    # cos(v_i, e_j) [images, regions, sentences, words]; a pad's index is the appended zero row
+    v, s = nn.functional.pad(v, (0, 0, 0, 1)), nn.functional.pad(s, (0, 0, 0, 1))
+    cosines = (v @ s.T)[v_index[:, :, None, None], s_index[None, None]]
+    if score == "scan_t2i":  # each word attends over its image's regions (dim 1)
+        alpha = _scan_attention(cosines, v_mask[:, :, None, None], 1, lambda1)
+        regions = v[v_index]
+        gram = regions @ regions.transpose(1, 2)  # [images, regions, regions]
+        squared = (alpha * torch.einsum("irm,imtw->irtw", gram, alpha)).sum(1)
+        relevance, mask, dim = _cosine(alpha, cosines, squared, 1), s_mask[None], 2
+    else:  # each region attends over the sentence's words (dim 3)
+        alpha = _scan_attention(cosines, s_mask[None, None], 3, lambda1)
+        words = s[s_index]
+        gram = words @ words.transpose(1, 2)  # [sentences, words, words]
+        squared = (alpha * torch.einsum("twm,irtm->irtw", gram, alpha)).sum(3)
+        relevance, mask, dim = _cosine(alpha, cosines, squared, 3), v_mask[:, :, None], 1
+    if aggregation == "lse":
+        block = torch.logsumexp((lambda2 * relevance).masked_fill(~mask, float("-inf")),
+                                dim) / lambda2
+    else:
+        block = (relevance * mask).sum(dim) / mask.sum(dim)
+    return scores.index_put((images[:, None], sentences[None, :]), block)
+
+
+def _padded_layout(owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The owners that have rows (sorted), and [owners, longest] the row index of each one's
+    rows in order (len(owner), the appended zero row, past its end) and whether it is a row."""
+    owners, slot = torch.unique(owner, return_inverse=True)
+    counts = torch.bincount(slot, minlength=len(owners))
+    order = torch.argsort(slot, stable=True)
+    position = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[
+        slot[order]]
+    index = torch.full((len(owners), int(counts.max())), len(owner), device=owner.device)
+    index[slot[order], position] = order
+    return owners, index, index < len(owner)
+
+
+def _scan_attention(cosines: Tensor, mask: Tensor, dim: int, lambda1: float) -> Tensor:
+    """alpha = softmax over `dim` (the attended rows, `mask` the real ones) of lambda1 times
+    the thresholded cosines normalised over `dim` (SCAN 3.1)."""
+    positive = cosines.clamp(min=0)
+    # vector_norm's gradient is 0 at a zero norm (a sqrt's would be NaN)
+    normalised = positive / (torch.linalg.vector_norm(positive, dim=dim, keepdim=True) + _EPS)
+    return torch.softmax((lambda1 * normalised).masked_fill(~mask, float("-inf")), dim)
+
+
+def _cosine(alpha: Tensor, cosines: Tensor, squared: Tensor, dim: int) -> Tensor:
+    """R = cos(query, a) for unit queries: (sum over `dim` of alpha x cosine) / |a|, with |a|^2
+    = `squared` (clamped first: the root's gradient stays finite)."""
+    return (alpha * cosines).sum(dim) / squared.clamp(min=_EPS ** 2).sqrt()
 
 
 def _aggregate(relu_scores: Tensor, v_owner: Tensor, s_owner: Tensor, num_images: int,
@@ -236,7 +355,9 @@ class DeFragLoss(nn.Module):
     the negatives l by their maximum: each pair k is ranked against its hardest sentence and
     its hardest image of the (global) batch. `score` is C_G's image-sentence score
     (`image_sentence_scores`): eq6, or cosine with `use_fragment` off and `margin` 0.2 for Kiros
-    et al.'s loss (Kiros eq. 6, their sum over pairs divided by B here). With `world_size` > 1
+    et al.'s loss (Kiros eq. 6, their sum over pairs divided by B here), or scan_t2i / scan_i2t
+    (`scan`'s knobs) with `use_fragment` off, `margin` 0.2 and `hardest_negative` for SCAN's
+    (Lee et al. 2018, 3.2; their sum over pairs divided by B here). With `world_size` > 1
     each rank passes its own pairs; `global_negatives` gathers every rank's fragments, so that
     negatives span the global batch (module doc); without, each rank's loss is that of its
     local batch.
@@ -245,7 +366,8 @@ class DeFragLoss(nn.Module):
     def __init__(self, beta: float = 1.0, margin: float = 1.0, smooth: float = 5.0,
                  mil: bool = True, balance: bool = True, use_fragment: bool = True,
                  use_global: bool = True, hardest_negative: bool = False, world_size: int = 1,
-                 global_negatives: bool = True, score: str = "eq6") -> None:
+                 global_negatives: bool = True, score: str = "eq6",
+                 scan: ScanSettings = DEFAULT_SCAN) -> None:
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"score {score!r}: expected one of {SCORES}")
@@ -260,7 +382,7 @@ class DeFragLoss(nn.Module):
         self.use_fragment, self.use_global = use_fragment, use_global
         self.hardest_negative = hardest_negative
         self.world_size, self.global_negatives = world_size, global_negatives
-        self.score = score
+        self.score, self.scan = score, scan
 
     def forward(self, v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor,
                 image_key: Tensor) -> dict[str, Tensor]:
@@ -360,13 +482,14 @@ class DeFragLoss(nn.Module):
                               self.smooth)
         else:
             rows = image_sentence_scores(rows_v, rows_owner, s, s_owner, num_pairs, num_pairs,
-                                         self.smooth, self.score)
+                                         self.smooth, self.score, self.scan)
         if bool(own_pairs.all()):
             columns = rows
         else:  # S_lk for every image l, own sentences k
             own_cols = own_pairs[s_owner]
             columns = image_sentence_scores(v, v_owner, s[own_cols], s_owner[own_cols],
-                                            num_pairs, num_pairs, self.smooth, self.score)
+                                            num_pairs, num_pairs, self.smooth, self.score,
+                                            self.scan)
         own = own_pairs.nonzero().squeeze(1)
         true_scores = rows[own, own]  # S_kk
         negatives = (image_key[own][:, None] != image_key[None, :]).to(rows.dtype)
