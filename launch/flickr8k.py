@@ -244,6 +244,16 @@ ROWS.update({f"{name}_flip_{cnn}": Row(f"{ROWS[base].title}, lr 5e-4, mirrored v
              for cnn, overrides in CNNS.items()
              for name, base in (("linear", "linear_random"),
                                 ("linear_tuned", "kiros_linear_tuned"))})
+# The two linear encoders, trained at lr 5e-4 on mirrored views, on each of the three CNNs.
+THREE_CNN_MEMBERS = [f"{name}_flip_{cnn}" for cnn in CNNS for name in ("linear", "linear_tuned")]
+# Those six with phase 2: their 12 epochs end with 4 that finetune the top 2 blocks of their CNN
+# on cached trunk maps (Adam: the CNN at a tenth of the lr).
+ROWS.update({f"{name}_top2": Row(f"{ROWS[name].title}, the CNN's top 2 blocks finetuned in "
+                                 "the last 4 epochs",
+                                 [*ROWS[name].overrides, "optim.frozen_cnn_epochs=8",
+                                  *finetune_top(2, lr_scale=0.1)],
+                                 config=WHOLE_CONFIG, shards=WHOLE_SHARDS)
+             for name in THREE_CNN_MEMBERS})
 
 
 @dataclass
@@ -265,8 +275,6 @@ QUALITY_ROWS = ["kiros_lstm_tuned", "kiros_linear_tuned", "gru", "gru_random", "
 GLOBAL_MEMBERS = ["kiros_lstm_tuned", "kiros_linear_tuned", "linear_random"]
 # The same three on each CNN's vector: the members then disagree where one CNN errs.
 TWO_CNN_MEMBERS = [*GLOBAL_MEMBERS, *(f"{name}_lite0" for name in GLOBAL_MEMBERS)]
-# The two linear encoders, trained at lr 5e-4 on mirrored views, on each of the three CNNs.
-THREE_CNN_MEMBERS = [f"{name}_flip_{cnn}" for cnn in CNNS for name in ("linear", "linear_tuned")]
 ENSEMBLES = {
     "ensemble": Ensemble("Ensemble: Kiros LSTM + linear, tuned + linear, random word vectors "
                          "(mean score)", GLOBAL_MEMBERS),
