@@ -39,6 +39,8 @@ SPLITS = {2: [3, 4], 3: [2, 3, 2]}  # pairs per rank
 KIROS = {"use_fragment": False, "score": "cosine", "margin": 0.2}
 # The tree encoders with Socher et al.'s: inner-product scores, C_G alone.
 SOCHER = {"use_fragment": False, "score": "inner", "margin": 3.0}
+# SCAN's word encoder with its text-to-image score and VSE++'s hardest-negative hinge.
+SCAN = {"use_fragment": False, "score": "scan_t2i", "margin": 0.2, "hardest_negative": True}
 
 
 def make_config(shards, engine: str, stage: int, encoder: str = "fragments",
@@ -46,7 +48,7 @@ def make_config(shards, engine: str, stage: int, encoder: str = "fragments",
     return Config.from_dict({
         "model": {"embed_dim": 16, "word_dim": 8, "image_size": 64, "train_word_vectors": True,
                   "sentence_encoder": encoder, "finetune_blocks": finetune_blocks},
-        "objective": ({} if encoder == "fragments" else
+        "objective": ({} if encoder == "fragments" else SCAN if encoder == "bigru" else
                       SOCHER if encoder in ("dtrnn", "sdtrnn") else KIROS),
         "data": {"shards": str(shards), "workers": 0},
         "optim": {"lr": 0.5, "batch_size": len(PAIRS), "frozen_cnn_epochs": 1, "epochs": 2},
@@ -71,7 +73,7 @@ def step_parameters(cfg: Config, ctx: DistContext, pair_ids: list[tuple[int, int
 
 # (sentence encoder, model.finetune_blocks)
 ENCODERS = (("fragments", None), ("fragments", 2), ("lstm", None), ("linear", None),
-            ("dtrnn", None), ("sdtrnn", None))
+            ("dtrnn", None), ("sdtrnn", None), ("bigru", None))
 
 
 def phases(encoder: str, finetune_blocks: int | None) -> tuple[int, ...]:

@@ -223,17 +223,18 @@ def scan_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
     v, s = nn.functional.normalize(v, dim=1), nn.functional.normalize(s, dim=1)
     images, v_index, v_mask = _padded_layout(v_owner)
     sentences, s_index, s_mask = _padded_layout(s_owner)
-    # cos(v_i, e_j) [images, regions, sentences, words]; a pad's index is the appended zero row
+    # cos(v_i, e_j) [images, regions, sentences, words]; a pad's index is the appended zero row.
+    # A zero row attended over only scales the attended vector a, which R, a cosine, ignores.
     v, s = nn.functional.pad(v, (0, 0, 0, 1)), nn.functional.pad(s, (0, 0, 0, 1))
     cosines = (v @ s.T)[v_index[:, :, None, None], s_index[None, None]]
     if score == "scan_t2i":  # each word attends over its image's regions (dim 1)
-        alpha = _scan_attention(cosines, v_mask[:, :, None, None], 1, lambda1)
+        alpha = _scan_attention(cosines, 1, lambda1)
         regions = v[v_index]
         gram = regions @ regions.transpose(1, 2)  # [images, regions, regions]
         squared = (alpha * torch.einsum("irm,imtw->irtw", gram, alpha)).sum(1)
         relevance, mask, dim = _cosine(alpha, cosines, squared, 1), s_mask[None], 2
     else:  # each region attends over the sentence's words (dim 3)
-        alpha = _scan_attention(cosines, s_mask[None, None], 3, lambda1)
+        alpha = _scan_attention(cosines, 3, lambda1)
         words = s[s_index]
         gram = words @ words.transpose(1, 2)  # [sentences, words, words]
         squared = (alpha * torch.einsum("twm,irtm->irtw", gram, alpha)).sum(3)
@@ -259,13 +260,13 @@ def _padded_layout(owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return owners, index, index < len(owner)
 
 
-def _scan_attention(cosines: Tensor, mask: Tensor, dim: int, lambda1: float) -> Tensor:
-    """alpha = softmax over `dim` (the attended rows, `mask` the real ones) of lambda1 times
-    the thresholded cosines normalised over `dim` (SCAN 3.1)."""
+def _scan_attention(cosines: Tensor, dim: int, lambda1: float) -> Tensor:
+    """alpha = softmax over `dim` (the attended rows) of lambda1 times the thresholded cosines
+    normalised over `dim` (SCAN 3.1)."""
     positive = cosines.clamp(min=0)
-    # vector_norm's gradient is 0 at a zero norm (a sqrt's would be NaN)
+    # + eps: a query without a positive cosine (as a pad) attends uniformly, not 0/0
     normalised = positive / (torch.linalg.vector_norm(positive, dim=dim, keepdim=True) + _EPS)
-    return torch.softmax((lambda1 * normalised).masked_fill(~mask, float("-inf")), dim)
+    return torch.softmax(lambda1 * normalised, dim)
 
 
 def _cosine(alpha: Tensor, cosines: Tensor, squared: Tensor, dim: int) -> Tensor:
