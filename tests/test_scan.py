@@ -19,7 +19,8 @@ from trainer.data.eval_set import load_eval_set
 from trainer.data.reader import SampleDecoder, read_images
 from trainer.data.shardset import locate_split
 from trainer.encoders.bigru import BiGRUEncoder
-from trainer.evaluate import retrieval_metrics, score_eval_set
+from trainer.evaluate import evaluate_model, retrieval_metrics, score_eval_set
+from trainer.main import train
 from trainer.model import DeFragModel
 from trainer.objectives import (
     DeFragLoss,
@@ -28,6 +29,8 @@ from trainer.objectives import (
     scan_settings,
     score_matrix,
 )
+from trainer.search.embedder import Embedder, RetrievalError
+from trainer.store.model_folder import ModelFolder
 from trainer.store.tracking import Tracker
 from trainer.training.checkpoint import TrainState
 from trainer.training.distributed import DistContext
@@ -258,6 +261,7 @@ def test_tiny_training_lowers_the_loss_and_validates(shards, tmp_path, score):
     model = DeFragModel.from_config(cfg.model, vocab, seed=0)
     trainer = Trainer(cfg, DistContext(0, 1, 0, torch.device("cpu")), model, vocab,
                       Tracker(None, None, None), TrainState())
+    assert trainer.loss_fn.scan == ScanSettings(2.0, "lse", 3.0)  # the config's knobs
     trainer.start_epoch(0)
     trainer.model.train()
     losses = [trainer.train_step(batch, 0)["loss"] for _ in range(30)]
@@ -272,3 +276,21 @@ def test_tiny_training_lowers_the_loss_and_validates(shards, tmp_path, score):
     torch.testing.assert_close(scores, want)
     metrics = retrieval_metrics(scores, embedded.sentence_image)
     assert math.isfinite(metrics["rsum"]) and metrics["rsum"] > 0
+
+
+@pytest.mark.slow
+def test_a_scan_run_validates_and_its_folder_is_refused_by_search(shards, tmp_path, monkeypatch):
+    """A whole run (validation each epoch, no triplet fragments for Figure 4) writes a model
+    folder that `defrag evaluate` measures as validation did; search refuses it in one line
+    (cross attention has no certified bound)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = small_config(shards, tmp_path / "run", model={"sentence_encoder": "bigru"},
+                       objective=SCAN_OBJECTIVE, optim={"optimizer": "adam", "lr": 0.002})
+    summary = train(cfg, DistContext(0, 1, 0, torch.device("cpu")), "latest")
+    folder = ModelFolder.open(tmp_path / "run" / "best")
+    model, vocab = folder.load_model(), folder.vocab
+    metrics, _ = evaluate_model(model, load_eval_set(folder.config, vocab, rank=0, world_size=1),
+                                folder.config)
+    assert metrics["rsum"] == pytest.approx(summary["best_val_rsum"], abs=1e-3)
+    with pytest.raises(RetrievalError, match="a SCAN model .*defrag evaluate"):
+        Embedder.from_folder(folder)

@@ -89,6 +89,11 @@ class Embedder:
         """The opened model folder's model, with its box source and parser chosen (see the
         module docstring); `boxes`: a box source's name (--boxes) or description (shards')."""
         cfg = folder.config
+        if cfg.objective.score.startswith("scan"):  # no certified bound for cross attention
+            raise RetrievalError(f"{folder.path}: a SCAN model (objective.score="
+                                 f"{cfg.objective.score}) scores by cross attention, which "
+                                 "search, retrieve and serve do not support: measure it with "
+                                 "`defrag evaluate`")
         manifest = _training_featurizer(folder, cfg)
         return cls(folder.load_model(), cfg, folder.vocab, folder.checksums_key,
                    _choose_boxes(cfg, manifest, boxes, detector_weights),

@@ -31,7 +31,7 @@ from trainer.data.shardset import training_featurizer
 from trainer.data.train_loader import MIRROR, make_train_loader
 from trainer.evaluate import evaluate_model
 from trainer.model import DeFragModel
-from trainer.objectives import DeFragLoss, same_group_entries
+from trainer.objectives import DeFragLoss, same_group_entries, scan_settings
 from trainer.pictures import alignment_figure
 from trainer.store.model_folder import save_model_folder
 from trainer.store.tracking import Tracker
@@ -63,7 +63,8 @@ class Trainer:
         self.loss_fn = DeFragLoss(objective.beta, objective.margin, objective.smooth,
                                   objective.mil, objective.balance, objective.use_fragment,
                                   objective.use_global, objective.hardest_negative,
-                                  ctx.world_size, cfg.run.global_negatives, objective.score)
+                                  ctx.world_size, cfg.run.global_negatives, objective.score,
+                                  scan=scan_settings(objective))
         caching = cfg.run.cache_frozen_features
         self.cache = (FeatureCache(cfg.run.feature_cache, feature_stamp(cfg), ctx.rank)
                       if caching else None)
@@ -251,7 +252,7 @@ class Trainer:
                                      step=self.state.global_step)
             log.info("epoch %d val (%s): %s", epoch, line,
                      " ".join(f"{k}={v:.1f}" for k, v in metrics.items()))
-            if not self.model.sentence.whole_sentence:  # Figure 4 aligns sentence fragments
+            if "fragments" in self.model.sentence.inputs:  # Figure 4 aligns triplet fragments
                 self.tracker.log_image(self.alignment_picture(),
                                        f"alignments/epoch-{epoch:03d}.png")
         self.log_data_problems()
