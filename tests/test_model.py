@@ -8,11 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
 from defrag.backbones import build_backbone
 from defrag.vocab import Vocabulary
 from trainer.config import ModelConfig
-from trainer.model import DeFragModel, ImageEncoder, SentenceEncoder, cnn_batch_size
+from trainer.model import (
+    DeFragModel,
+    ImageEncoder,
+    SentenceEncoder,
+    cnn_batch_size,
+    pooled_roi_align,
+)
 from trainer.wordvecs import embedding_matrix, load_word_vectors
 
 # ---------------------------------------------------------------- sentence fragments (eq. 1)
@@ -434,3 +441,26 @@ def test_mean_pool_is_the_devise_style_baseline(lite0) -> None:
     for row, image in enumerate(BOX_IMAGE.tolist()):
         mean = features[BOX_IMAGE.eq(image)].mean(0)
         torch.testing.assert_close(v[row], encoder.projection(mean))
+
+
+def test_pooled_roi_align_is_roi_align_then_the_mean_forward_and_backward() -> None:
+    """The cell-weight form of RoIAlign + average pooling equals torchvision's, values and
+    gradients: boxes of every size (inside one cell, across the border, the whole image),
+    images with 0, 1 and 3 boxes, listed out of image order."""
+    generator = torch.Generator().manual_seed(0)
+    fmap = torch.randn(4, 6, 7, 9, generator=generator, dtype=torch.float64)
+    boxes = torch.tensor([[0, 0, 287, 223], [40, 30, 41, 33], [-20, 100, 150, 260],
+                          [100.5, 3.2, 280.7, 90.1], [10, 10, 70, 200]], dtype=torch.float64)
+    box_image = torch.tensor([2, 0, 2, 3, 2])  # image 1 has no box
+    weights = torch.randn(len(boxes), 6, generator=generator, dtype=torch.float64)
+    grads = []
+    for pool in (lambda m: pooled_roi_align(m, boxes, box_image, 7, 1 / 32),
+                 lambda m: torchvision.ops.roi_align(
+                     m, torch.cat([box_image[:, None].double(), boxes], 1), 7,
+                     spatial_scale=1 / 32, aligned=True).mean((2, 3))):
+        leaf = fmap.clone().requires_grad_()
+        out = pool(leaf)
+        (out * weights).sum().backward()
+        grads.append((out.detach(), leaf.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)
