@@ -86,6 +86,16 @@ SOCHER = ["objective.score=inner", "objective.margin=1.0", f"model.word_vectors=
 TWELVE_EPOCHS = ["optim.epochs=12", "optim.frozen_cnn_epochs=8", "optim.anneal_last_epochs=2"]
 
 
+# SCAN's settings (its paper's, for Flickr30K): 1024-d, 300-d word vectors learned from random,
+# Adam at 2e-4, 128 pairs, gradients clipped at norm 2, VSE++'s hardest negatives at margin 0.2
+# from the first step; the CNN stays fixed (its features cached, as roi_448's).
+SCAN = ["model.sentence_encoder=bigru", "model.embed_dim=1024", "model.word_dim=300",
+        "model.image_size=448", "objective.use_fragment=false", "objective.mil=false",
+        "objective.margin=0.2", "objective.hardest_negative=true", "optim.optimizer=adam",
+        "optim.lr=0.0002", "optim.weight_decay=0", "optim.batch_size=128", "optim.grad_clip=2.0",
+        "optim.epochs=12", "optim.frozen_cnn_epochs=12", "optim.anneal_last_epochs=6"]
+
+
 def finetune_top(k: int, lr_scale: float = 1.0) -> list[str]:
     """Phase 2 finetunes the CNN's top `k` blocks (at lr x `lr_scale`) on cached trunk maps."""
     return ["optim.finetune_cnn=true", f"model.finetune_blocks={k}",
@@ -194,6 +204,14 @@ ROWS = {
                               f"CNN's top {k} block(s) finetuned in the last 4",
                               ["model.image_size=448", *TWELVE_EPOCHS, *finetune_top(k)])
        for k in (1, 2, 3)},
+    # SCAN (Lee et al. 2018), the fragment-alignment idea's successor, on the same region
+    # features as roi_448 (its cache): a bi-GRU's word rows attend over the regions (t2i) or
+    # the regions over the words (i2t), hardest negatives, Adam; the lr x0.1 for the second
+    # half (SCAN: 15 of 30 epochs; 12 here, for these cores).
+    **{f"scan_{direction}": Row(f"SCAN {direction} (Lee et al. 2018), 19 regions + the image "
+                                "at 448 px, 12 epochs",
+                                [*SCAN, f"objective.score=scan_{direction}"])
+       for direction in ("t2i", "i2t")},
     # The comparison systems (docs/results.md): launch/configs/flickr8k-whole.yaml holds Kiros
     # et al.'s settings; every row uses the same cached whole-image EfficientNet-Lite2 features.
     "kiros_lstm": Row("Kiros et al.: LSTM, their hyper-parameters",
