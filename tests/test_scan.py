@@ -47,12 +47,14 @@ def cos(a, b):
     return (a @ b) / (a.norm() * b.norm())
 
 
-def reference_attend(query, keys, lambda1):
-    """One query's attended vector a = sum_i alpha_i k_i with alpha = softmax(lambda1 s'),
-    s'_i = [cos(k_i, q)]_+ / sqrt(sum_i [cos(k_i, q)]_+^2) (SCAN 3.1), one key at a time."""
-    positive = [torch.clamp(cos(key, query), min=0) for key in keys]
-    norm = torch.sqrt(sum(p * p for p in positive))
-    weights = [torch.exp(lambda1 * p / (norm + EPS)) for p in positive]
+def reference_attend(j, queries, keys, lambda1):
+    """Query j's attended vector a_j = sum_i alpha_ij k_i with alpha_ij = softmax_i(lambda1
+    s'_ij), s'_ij = [cos(k_i, q_j)]_+ / sqrt(sum_j' [cos(k_i, q_j')]_+^2): each key's
+    thresholded cosines normalised over the queries (SCAN 3.1-3.2), one key at a time."""
+    positive = [[torch.clamp(cos(key, query), min=0) for query in queries] for key in keys]
+    norms = [torch.sqrt(sum(p * p for p in row)) for row in positive]
+    weights = [torch.exp(lambda1 * row[j] / (norm + EPS))
+               for row, norm in zip(positive, norms, strict=True)]
     total = sum(weights)
     return sum(w / total * key / key.norm() for w, key in zip(weights, keys, strict=True))
 
@@ -63,7 +65,8 @@ def reference_pair(regions, words, score, lambda1, aggregation, lambda2):
     if not regions or not words:
         return torch.zeros((), dtype=torch.float64)
     queries, keys = (words, regions) if score == "scan_t2i" else (regions, words)
-    relevance = [cos(query, reference_attend(query, keys, lambda1)) for query in queries]
+    relevance = [cos(query, reference_attend(j, queries, keys, lambda1))
+                 for j, query in enumerate(queries)]
     if aggregation == "lse":
         return torch.log(sum(torch.exp(lambda2 * r) for r in relevance)) / lambda2
     return sum(relevance) / len(relevance)

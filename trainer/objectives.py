@@ -209,7 +209,7 @@ def scan_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
                 num_sentences: int, score: str, scan: ScanSettings = DEFAULT_SCAN) -> Tensor:
     """SCAN's S(I, T) [num_images, num_sentences] (Lee et al. 2018, 3.1), rows L2-normalised.
 
-    scan_t2i: s_ij = cos(v_i, e_j), s'_ij = [s_ij]_+ / sqrt(sum_i [s_ij]_+^2), alpha_ij =
+    scan_t2i: s_ij = cos(v_i, e_j), s'_ij = [s_ij]_+ / sqrt(sum_j [s_ij]_+^2), alpha_ij =
     softmax_i(lambda1 s'_ij), a_j = sum_i alpha_ij v_i, R_j = cos(e_j, a_j), S = LSE (1/lambda2)
     log sum_j exp(lambda2 R_j) or AVG mean_j R_j. scan_i2t: the same with regions and words
     swapped. R needs only e_j . a_j = sum_i alpha_ij s_ij and |a_j|^2 = alpha_j^T G alpha_j with
@@ -228,13 +228,13 @@ def scan_scores(v: Tensor, v_owner: Tensor, s: Tensor, s_owner: Tensor, num_imag
     v, s = nn.functional.pad(v, (0, 0, 0, 1)), nn.functional.pad(s, (0, 0, 0, 1))
     cosines = (v @ s.T)[v_index[:, :, None, None], s_index[None, None]]
     if score == "scan_t2i":  # each word attends over its image's regions (dim 1)
-        alpha = _scan_attention(cosines, 1, lambda1)
+        alpha = _scan_attention(cosines, 1, 3, lambda1)
         regions = v[v_index]
         gram = regions @ regions.transpose(1, 2)  # [images, regions, regions]
         squared = (alpha * torch.einsum("irm,imtw->irtw", gram, alpha)).sum(1)
         relevance, mask, dim = _cosine(alpha, cosines, squared, 1), s_mask[None], 2
     else:  # each region attends over the sentence's words (dim 3)
-        alpha = _scan_attention(cosines, 3, lambda1)
+        alpha = _scan_attention(cosines, 3, 1, lambda1)
         words = s[s_index]
         gram = words @ words.transpose(1, 2)  # [sentences, words, words]
         squared = (alpha * torch.einsum("twm,irtm->irtw", gram, alpha)).sum(3)
@@ -260,13 +260,14 @@ def _padded_layout(owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return owners, index, index < len(owner)
 
 
-def _scan_attention(cosines: Tensor, dim: int, lambda1: float) -> Tensor:
-    """alpha = softmax over `dim` (the attended rows) of lambda1 times the thresholded cosines
-    normalised over `dim` (SCAN 3.1)."""
+def _scan_attention(cosines: Tensor, dim: int, query_dim: int, lambda1: float) -> Tensor:
+    """alpha = softmax over `dim` (the attended rows) of lambda1 times the thresholded cosines,
+    each attended row's normalised over the queries (`query_dim`; SCAN 3.1's s'_ij for i2t,
+    3.2's for t2i, and its code's clipped_l2norm)."""
     positive = cosines.clamp(min=0)
-    # + eps: a query without a positive cosine (as a pad) attends uniformly, not 0/0
-    normalised = positive / (torch.linalg.vector_norm(positive, dim=dim, keepdim=True) + _EPS)
-    return torch.softmax(lambda1 * normalised, dim)
+    # + eps: a row without a positive cosine (as a pad) gets 0, not 0/0
+    norm = torch.linalg.vector_norm(positive, dim=query_dim, keepdim=True)
+    return torch.softmax(lambda1 * positive / (norm + _EPS), dim)
 
 
 def _cosine(alpha: Tensor, cosines: Tensor, squared: Tensor, dim: int) -> Tensor:
