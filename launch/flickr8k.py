@@ -199,11 +199,12 @@ ROWS = {
                             *TWELVE_EPOCHS]),
     # The paper's phase 2 for whole epochs: roi_448_long's 8 frozen epochs, then 4 with MIL and
     # the CNN's top K blocks finetuned on the cached maps of the blocks below (a step on the
-    # whole CNN at 448 px does not fit these cores: benchmarks/README.md, "Trainer step").
+    # whole CNN at 448 px does not fit these cores: benchmarks/README.md, "Trainer step"). The
+    # top 2 blocks at the lr of W_m (0.005) diverged 49 steps into phase 2 (docs/results.md).
     **{f"roi_448_top{k}": Row(f"† + MIL, 19 regions + the image at 448 px, 12 epochs, the "
-                              f"CNN's top {k} block(s) finetuned in the last 4",
-                              ["model.image_size=448", *TWELVE_EPOCHS, *finetune_top(k)])
-       for k in (1, 2, 3)},
+                              f"CNN's top {k} block(s) finetuned in the last 4 (lr x{scale:g})",
+                              ["model.image_size=448", *TWELVE_EPOCHS, *finetune_top(k, scale)])
+       for k, scale in ((1, 1.0), (2, 0.1), (3, 0.1))},
     # SCAN (Lee et al. 2018), the fragment-alignment idea's successor, on the same region
     # features as roi_448 (its cache): a bi-GRU's word rows attend over the regions (t2i) or
     # the regions over the words (i2t), hardest negatives, Adam; the lr x0.1 for the second
