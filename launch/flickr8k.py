@@ -278,11 +278,12 @@ ROWS.update({f"{name}_top2": Row(f"{ROWS[name].title}, the CNN's top 2 blocks fi
 @dataclass
 class Ensemble:
     """Rows' best models scored together (defrag registry ensemble): the mean of the members'
-    scores, plus a `fused` row's scores (another score, e.g. eq. 6) with a weight chosen on dev."""
+    scores, plus each `fused` row's scores (another score, e.g. eq. 6) with a weight chosen on
+    dev, one row after the other."""
 
     title: str
     members: list[str]
-    fused: str | None = None
+    fused: tuple[str, ...] = ()
     register_name: str | None = None  # default: defrag-flickr8k-<name>
 
 
@@ -298,32 +299,32 @@ ENSEMBLES = {
     "ensemble": Ensemble("Ensemble: Kiros LSTM + linear, tuned + linear, random word vectors "
                          "(mean score)", GLOBAL_MEMBERS),
     "ensemble_fragments": Ensemble("Ensemble + DeFrag fragments (eq. 6, weight chosen on dev)",
-                                   GLOBAL_MEMBERS, fused="fragments_whole"),
+                                   GLOBAL_MEMBERS, fused=("fragments_whole",)),
     "ensemble_two_cnns": Ensemble("Ensemble on two CNNs: the ensemble's three models on Lite2 "
                                   "and on Lite0 (mean score)", TWO_CNN_MEMBERS),
     # the champion of 2026-11-26 (test rsum 289.2), now defrag-flickr8k-ensemble_two_cnns_fragments
     "ensemble_two_cnns_fragments": Ensemble("Ensemble on two CNNs + DeFrag fragments (Lite0, "
                                             "eq. 6, weight chosen on dev)", TWO_CNN_MEMBERS,
-                                            fused="fragments_whole_lite0"),
+                                            fused=("fragments_whole_lite0",)),
     "ensemble_three_cnns": Ensemble("Ensemble on three CNNs: the two linear encoders (lr 5e-4, "
                                     "mirrored views) on Lite0, Lite1 and Lite2 (mean score)",
                                     THREE_CNN_MEMBERS),
     "ensemble_three_cnns_fragments": Ensemble("Ensemble on three CNNs + DeFrag fragments (Lite0, "
                                               "eq. 6, weight chosen on dev)", THREE_CNN_MEMBERS,
-                                              fused="fragments_whole_lite0"),
+                                              fused=("fragments_whole_lite0",)),
     # whole-image members read the whole-image box of the region model's shards; the champion
     # of 2026-11-27 morning (dev 316.4), now defrag-flickr8k-ensemble_three_cnns_regions
     "ensemble_three_cnns_regions": Ensemble("Ensemble on three CNNs + DeFrag regions (19 boxes + "
                                             "the image, roi at 448 px, eq. 6, weight chosen on "
-                                            "dev)", THREE_CNN_MEMBERS, fused="roi_448"),
+                                            "dev)", THREE_CNN_MEMBERS, fused=("roi_448",)),
     # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
     "ensemble_three_cnns_regions_long": Ensemble("Ensemble on three CNNs + DeFrag regions (roi "
                                                  "at 448 px, 12 epochs, eq. 6, weight chosen on "
                                                  "dev)", THREE_CNN_MEMBERS,
-                                                 fused="roi_448_long",
+                                                 fused=("roi_448_long",),
                                                  register_name="defrag-flickr8k"),
     "gru_fragments": Ensemble("VSE++-style GRU + DeFrag fragments (eq. 6, weight chosen on "
-                              "dev)", ["gru"], fused="fragments_whole"),
+                              "dev)", ["gru"], fused=("fragments_whole",)),
 }
 FUSION_WEIGHTS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # x std(global) / std(fused) scores
 METRICS = ("i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr")
@@ -395,33 +396,39 @@ def mean_scores(members: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 
 def score_on_dev(ensemble: Ensemble) -> dict:
     """An ensemble's dev figures from its rows' saved score matrices, without building it (with
-    a fused row: its weight chosen on dev, and the rsum of each candidate weight)."""
+    fused rows: their weights chosen on dev, and the rsum of each candidate weight)."""
     if ensemble.fused:
-        weight, rsums, metrics = fusion_weight(ensemble)
-        return {**metrics, "fused_weight": weight, "fusion_rsum": rsums}
+        weights, rsums, metrics = fusion_weights(ensemble)
+        return {**metrics, "fused_weights": weights, "fusion_rsum": rsums}
     members = [dev_scores(name) for name in ensemble.members]
     return retrieval_metrics(mean_scores(members), members[0]["sentence_image"])
 
 
-def fusion_weight(ensemble: Ensemble) -> tuple[float, dict[str, float], dict[str, float]]:
-    """The fused row's weight that maximises dev rsum (FUSION_WEIGHTS, in units of the global
-    scores' spread over the fused scores'), the rsum of each candidate, the best's metrics."""
+def fusion_weights(ensemble: Ensemble) -> tuple[list[float], dict[str, dict[str, float]],
+                                                dict[str, float]]:
+    """Each fused row's weight, in turn, that maximises dev rsum (FUSION_WEIGHTS, in units of the
+    scores so far's spread over the fused row's), the rsum of each candidate per row, the
+    metrics of the whole; the weights are beside members of weight 1 each (0: no help)."""
     members = [dev_scores(name) for name in ensemble.members]
-    mean = mean_scores(members)
-    fused = dev_scores(ensemble.fused)["scores"]
-    scale = float(mean.std() / fused.std())
-    rsums = {f"{w:g}": retrieval_metrics(mean + w * scale * fused,
-                                         members[0]["sentence_image"])["rsum"]
-             for w in FUSION_WEIGHTS}
-    best = max(FUSION_WEIGHTS, key=lambda w: rsums[f"{w:g}"])
-    metrics = retrieval_metrics(mean + best * scale * fused, members[0]["sentence_image"])
-    return best * scale * len(members), rsums, metrics  # beside members of weight 1 each
+    sentence_image = members[0]["sentence_image"]
+    scores = mean_scores(members)
+    weights, rsums = [], {}
+    for row in ensemble.fused:
+        fused = dev_scores(row)["scores"]
+        scale = float(scores.std() / fused.std())
+        rsums[row] = {f"{w:g}": retrieval_metrics(scores + w * scale * fused,
+                                                  sentence_image)["rsum"]
+                      for w in FUSION_WEIGHTS}
+        best = max(FUSION_WEIGHTS, key=lambda w: rsums[row][f"{w:g}"])
+        scores = scores + best * scale * fused
+        weights.append(best * scale * len(members))
+    return weights, rsums, retrieval_metrics(scores, sentence_image)
 
 
 def build_ensemble(name: str, ensemble: Ensemble, results: dict) -> None:
     """Score the members' best models together: the ensemble folder (registered), its dev
-    figures; with a fused row, its weight is chosen on dev first."""
-    rows = [*ensemble.members, *([ensemble.fused] if ensemble.fused else [])]
+    figures; with fused rows, their weights are chosen on dev first."""
+    rows = [*ensemble.members, *ensemble.fused]
     missing = [row for row in rows if row not in results]
     if missing:
         raise SystemExit(f"ensemble {name}: run the rows {missing} first")
@@ -433,12 +440,15 @@ def build_ensemble(name: str, ensemble: Ensemble, results: dict) -> None:
     entry = {"title": ensemble.title, "members": rows,
              "train_wall_s": sum(results[row]["train_wall_s"] for row in rows)}
     if ensemble.fused:
-        weight, entry["fusion_rsum"], metrics = fusion_weight(ensemble)
-        if weight == 0:  # the fused row adds nothing on dev: no model to build
-            print(f"{name}: the fused row does not help on dev: {entry['fusion_rsum']}")
-            results[name] = {**entry, "weights": [*weights, 0.0], "dev": metrics}
+        fused_weights, entry["fusion_rsum"], metrics = fusion_weights(ensemble)
+        if not any(fused_weights):  # the fused rows add nothing on dev: no model to build
+            print(f"{name}: the fused rows do not help on dev: {entry['fusion_rsum']}")
+            results[name] = {**entry, "weights": [*weights, *fused_weights], "dev": metrics}
             return
-        weights.append(weight)
+        # a fused row of weight 0 stays out of the folder
+        kept = [(row, w) for row, w in zip(ensemble.fused, fused_weights, strict=True) if w]
+        rows = entry["members"] = [*ensemble.members, *(row for row, _ in kept)]
+        weights += [w for _, w in kept]
     total = sum(weights)
     weights = [w / total for w in weights]
     register_name = ensemble.register_name or f"defrag-flickr8k-{name}"
@@ -483,19 +493,21 @@ def main() -> None:
     parser.add_argument("--score", nargs="+", metavar="ROW",
                         help="print the dev figures of these trained rows' mean score, from their "
                              "saved matrices (nothing is trained, built or registered)")
-    parser.add_argument("--fused", metavar="ROW",
-                        help="with --score: fuse this row's scores, its weight chosen on dev")
+    parser.add_argument("--fused", nargs="+", default=(), metavar="ROW",
+                        help="with --score: fuse these rows' scores, each weight chosen on dev "
+                             "in turn")
     args = parser.parse_args()
     if args.score:
         os.chdir(ROOT)
-        print(json.dumps(score_on_dev(Ensemble("--score", args.score, args.fused))))
+        print(json.dumps(score_on_dev(Ensemble("--score", args.score, tuple(args.fused)))))
         return
     if args.list:
         for name, row in ROWS.items():
             print(f"{name:10} {' '.join(row.overrides)}")
         for name, ensemble in ENSEMBLES.items():
             print(f"{name:10} ensemble of {' '.join(ensemble.members)}"
-                  + (f" + {ensemble.fused} (weight chosen on dev)" if ensemble.fused else ""))
+                  + (f" + {' + '.join(ensemble.fused)} (weights chosen on dev)"
+                     if ensemble.fused else ""))
         return
     unknown = set(args.rows) - set(ROWS) - set(ENSEMBLES)
     if unknown:
@@ -506,7 +518,7 @@ def main() -> None:
     # an ensemble's member rows run (or are found done) before it
     names = list(dict.fromkeys(
         item for name in args.rows or [*ROWS, *ENSEMBLES]
-        for item in ([*ENSEMBLES[name].members, *filter(None, [ENSEMBLES[name].fused]), name]
+        for item in ([*ENSEMBLES[name].members, *ENSEMBLES[name].fused, name]
                      if name in ENSEMBLES else [name])))
     for shards in dict.fromkeys(ROWS[name].shards for name in names if name in ROWS):
         key, command = FEATURIZE[shards]

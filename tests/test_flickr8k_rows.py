@@ -42,14 +42,37 @@ def test_every_ensemble_is_made_of_rows_that_can_be_averaged(name: str) -> None:
     """The members' mean is meaningful only for one score; a fused row gets a weight on dev."""
     ensemble = flickr8k.ENSEMBLES[name]
     configs = {row: Config.load(ROOT / flickr8k.ROWS[row].config, flickr8k.ROWS[row].overrides)
-               for row in [*ensemble.members, *filter(None, [ensemble.fused])]}
-    assert len({configs[row].objective.score for row in ensemble.members}) == 1
+               for row in [*ensemble.members, *ensemble.fused]}
+    scores = {configs[row].objective.score for row in ensemble.members}
+    assert len(scores) == 1
     # one eval split for all: whole-image rows read the whole-image box of a region row's shards
     assert len({flickr8k.ROWS[row].shards for row in configs} - {flickr8k.WHOLE_SHARDS}) <= 1
-    if ensemble.fused:
-        assert configs[ensemble.fused].objective.score == "eq6"
+    assert all(configs[row].objective.score not in scores for row in ensemble.fused)
     pushed = [n for n, e in flickr8k.ENSEMBLES.items() if e.register_name == "defrag-flickr8k"]
     assert len(pushed) == 1  # one name a user can find
+
+
+def test_fused_rows_get_their_weights_on_dev_one_after_the_other(tmp_path, monkeypatch) -> None:
+    """A fused row that knows the answers gets a weight and lifts rsum; pure noise gets 0."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    generator = torch.Generator().manual_seed(0)
+    sentence_image = torch.arange(50).repeat_interleave(5)
+    truth = torch.zeros(50, 250)
+    truth[sentence_image, torch.arange(250)] = 1.0
+    rows = {"member": truth + 2.0 * torch.randn(50, 250, generator=generator),
+            "oracle": 100.0 * truth + torch.randn(50, 250, generator=generator),
+            "noise": 1000.0 * torch.randn(50, 250, generator=generator)}
+    for row, scores in rows.items():
+        (tmp_path / row).mkdir()
+        save_file({"scores": scores, "sentence_image": sentence_image},
+                  tmp_path / row / flickr8k.DEV_SCORES)
+    monkeypatch.setattr(flickr8k, "RUNS", tmp_path)
+    alone = flickr8k.score_on_dev(flickr8k.Ensemble("member", ["member"]))
+    fused = flickr8k.score_on_dev(flickr8k.Ensemble("fused", ["member"], ("oracle", "noise")))
+    oracle_weight, noise_weight = fused["fused_weights"]
+    assert oracle_weight > 0 and noise_weight == 0
+    assert fused["rsum"] == fused["fusion_rsum"]["noise"]["0"] > alone["rsum"] + 100
 
 
 def test_quality_table_lists_rows_and_ensembles() -> None:
