@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo bench clean docker-check
+.PHONY: venv test test-fast lint demo bench clean docker-check cluster-check
 
 venv: $(STAMP)
 
@@ -21,7 +21,7 @@ TEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(TEST) tests
+	$(TEST) -m "not cluster" tests
 
 test-fast: $(STAMP)
 	$(TEST) -m "not slow" tests
@@ -44,6 +44,11 @@ demo: $(STAMP)
 # the demo run in the image; root, podman, runc and debootstrap (docker/README.md).
 docker-check: $(STAMP)
 	bash docker/check.sh
+
+# launch/slurm/train.sbatch across two SLURM nodes made of Linux namespaces on this machine,
+# set up and removed by the tests (tests/cluster.py; root, iproute2, SLURM and munge).
+cluster-check: $(STAMP)
+	DEFRAG_REQUIRE_CLUSTER=1 $(TEST) -m cluster tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

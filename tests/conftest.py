@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from featurizer.pipeline import Settings, featurize
 from featurizer.sources import read_jsonl
 from featurizer.synthetic import generate
+
+if TYPE_CHECKING:
+    from tests.cluster import NamespaceCluster
 
 NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val shards
 
@@ -57,12 +61,25 @@ def scenes_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A one-node SLURM cluster on this host (tests/test_slurm.py), started once for the SLURM
+    """A one-node SLURM cluster on this host (tests/cluster.py), started once for the SLURM
     tests of test_featurize_at_scale, test_index_build and test_slurm: the environment of its
     commands."""
-    from tests.test_slurm import cluster
+    from tests.cluster import one_node, require, slurm_missing
 
-    yield from cluster(tmp_path_factory)
+    require(slurm_missing(), "SLURM test", "DEFRAG_REQUIRE_SLURM")
+    yield from one_node(tmp_path_factory.mktemp("slurm"))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NamespaceCluster]:
+    """Two SLURM nodes made of Linux namespaces on this host (tests/cluster.py), for the
+    `cluster`-marked tests; removed at the end whatever happened, its logs and job outputs kept
+    in the session's temporary folder. Skipped without root, `ip netns` or SLURM, unless
+    DEFRAG_REQUIRE_CLUSTER=1."""
+    from tests.cluster import namespace_cluster, namespaces_missing, require
+
+    require(namespaces_missing(), "namespace cluster", "DEFRAG_REQUIRE_CLUSTER")
+    yield from namespace_cluster(2, tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture(scope="session")
