@@ -405,12 +405,12 @@ class NamespaceCluster:
         psutil.wait_procs(alive, timeout=10)
         for child in self.children:
             child.wait()
+        links = [link["ifname"] for link in json.loads(ip("-j", "link"))]
+        for link in links:  # a veth pair goes whole, before its namespace (which takes time)
+            if link.startswith(f"{self.bridge}-"):
+                ip("link", "delete", link)
         for netns in self.namespaces():
             ip("netns", "delete", netns)
-        links = [link["ifname"] for link in json.loads(ip("-j", "link"))]
-        for link in links:
-            if link.startswith(f"{self.bridge}-") and link != self.bridge:
-                ip("link", "delete", link)
         if self.bridge in links:
             ip("link", "delete", self.bridge)
         if keep and self.folder.is_dir():

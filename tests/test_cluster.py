@@ -12,12 +12,25 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.cluster import ENDED, ROOT, NamespaceCluster, job_field, jobs, tool, wait_for
+from tests.cluster import (
+    ENDED,
+    ROOT,
+    NamespaceCluster,
+    cluster_ids,
+    idle_nodes,
+    job_field,
+    jobs,
+    remove_leftovers,
+    running,
+    tool,
+    wait_for,
+)
 from tests.test_remote_shards import assert_same_weights
 from tests.test_train_e2e import final_weights, tiny_config
 from trainer.training.checkpoint import latest_checkpoint, load_state
@@ -51,6 +64,26 @@ def test_each_node_has_its_own_name_address_routes_and_tmp(cluster: NamespaceClu
     assert seen == [f"{node} {address} {network} /tmp/defrag-{node}"
                     for node, address in cluster.nodes.items()]
     assert not [node for node in cluster.nodes if Path(f"/tmp/defrag-{node}").exists()]
+
+
+def test_the_cluster_of_a_killed_owner_is_removed_and_a_live_one_kept(
+        cluster: NamespaceCluster) -> None:
+    """What a test killed with its one-node cluster up leaves (daemons, namespaces, links,
+    folder) is removed by the next start (`remove_leftovers`); this session's cluster, whose
+    owner runs, is left alone."""
+    code = ("import os; from tests.cluster import NamespaceCluster; "
+            "c = NamespaceCluster.new(1, os.getpid()); c.up(); print(c.ident, flush=True); "
+            "os.kill(os.getpid(), 9)")
+    killed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    ident = killed.stdout.strip()
+    assert killed.returncode == -9 and ident in cluster_ids(), killed.stderr
+    left = NamespaceCluster.load(ident)
+    assert left.namespaces() and all(map(running, left.daemons.values()))
+    remove_leftovers()
+    assert ident not in cluster_ids() and not any(map(running, left.daemons.values()))
+    assert not left.namespaces() and not left.folder.exists()
+    assert cluster.ident in cluster_ids() and idle_nodes(cluster.env) == cluster.size
 
 
 @pytest.mark.timeout(900)
