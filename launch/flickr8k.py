@@ -278,6 +278,7 @@ ROWS.update({f"{name}_top2": Row(f"{ROWS[name].title}, the CNN's top 2 blocks fi
                                   *finetune_top(2, lr_scale=0.1)],
                                  config=WHOLE_CONFIG, shards=WHOLE_SHARDS)
              for name in THREE_CNN_MEMBERS})
+THREE_CNN_TOP2_MEMBERS = [f"{name}_top2" for name in THREE_CNN_MEMBERS]
 
 
 @dataclass
@@ -328,6 +329,13 @@ ENSEMBLES = {
                                                  "dev)", THREE_CNN_MEMBERS,
                                                  fused=("roi_448_long",),
                                                  register_name="defrag-flickr8k"),
+    "ensemble_three_cnns_top2": Ensemble("Ensemble on three CNNs, each CNN's top 2 blocks "
+                                         "finetuned: the two linear encoders on Lite0, Lite1 "
+                                         "and Lite2 (mean score)", THREE_CNN_TOP2_MEMBERS),
+    "ensemble_three_cnns_top2_regions_scan": Ensemble(
+        "Ensemble on three CNNs, their top 2 blocks finetuned, + DeFrag regions (the head conv "
+        "finetuned) + SCAN t2i (weights chosen on dev in turn)", THREE_CNN_TOP2_MEMBERS,
+        fused=("roi_448_top1", "scan_t2i")),
     "gru_fragments": Ensemble("VSE++-style GRU + DeFrag fragments (eq. 6, weight chosen on "
                               "dev)", ["gru"], fused=("fragments_whole",)),
 }
