@@ -208,6 +208,9 @@ class RunConfig:
     keep_checkpoints: PositiveInt = 2  # newest step checkpoints kept on disk
     nonfinite_loss: Literal["skip", "stop"] = "skip"  # on a NaN or inf loss: skip the step | stop
     max_nonfinite_steps: PositiveInt = 10  # skipped steps in a row that stop the run
+    # Seconds a collective may wait for the other ranks before failing (a node gone or its link
+    # cut): every rank then ends naming the lost peer (trainer/training/distributed.py)
+    collective_timeout: PositiveFloat = 1800.0
     log_every_steps: PositiveInt = 10
     register_name: str = "defrag"  # MLflow registered model name of the best checkpoint
     register_alias: str = "champion"
@@ -363,6 +366,7 @@ RESUME_CHANGEABLE = frozenset({
     "eval.allow_incomplete", "run.run_dir", "run.device", "run.bf16",
     "run.cache_frozen_features", "run.feature_cache", "run.checkpoint_every_steps",
     "run.keep_checkpoints", "run.nonfinite_loss", "run.max_nonfinite_steps",
+    "run.collective_timeout",
     "run.log_every_steps", "run.register_name", "run.register_alias",
     # the captioner's generation and re-ranking, which read the trained model and change no weight
     "caption.candidates", "caption.neighbours", "caption.min_length", "caption.max_length",

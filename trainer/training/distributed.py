@@ -1,14 +1,19 @@
 """Where this process sits in a training job: the process group that torchrun describes (or a
-group of one), its rank and device, and leaving it. The loss gathers the global batch itself
-(trainer/objectives.py, docs/design.md section 7).
+group of one), its rank and device, naming the ranks lost when a collective fails, and leaving
+it. The loss gathers the global batch itself (trainer/objectives.py, docs/design.md section 7).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -23,14 +28,24 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    peers: tuple[str, ...] = ()  # every rank's "host address port" of its liveness socket
+
+
+PROBE_SECONDS = 3.0  # a peer's liveness socket that takes no connection in this time is lost
+_liveness: list[socket.socket] = []  # this rank's, open while the process runs
+
+
+class PeerLost(RuntimeError):
+    """A collective failed and some other ranks no longer answer; the message names them."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join the process group torchrun describes (or a group of one): NCCL on GPU, else gloo."""
+def init_distributed(device: str = "auto", timeout: float = 1800.0) -> DistContext:
+    """Join the process group torchrun describes (or a group of one): NCCL on GPU, else gloo;
+    a collective waits `timeout` seconds for the other ranks, then fails."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -52,8 +67,57 @@ def init_distributed(device: str = "auto") -> DistContext:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"defrag-attempt-{attempt}", store)
         dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
-                                world_size=world_size, device_id=where if use_cuda else None)
+                                world_size=world_size, device_id=where if use_cuda else None,
+                                timeout=timedelta(seconds=timeout))
+        return DistContext(rank, world_size, local_rank, where,
+                           _swap_liveness(store, rank, world_size))
     return DistContext(rank, world_size, local_rank, where)
+
+
+def _swap_liveness(store: dist.Store, rank: int, world_size: int) -> tuple[str, ...]:
+    """Open this rank's liveness socket (the kernel takes a probe's connection while the
+    process lives, whatever it is doing) and swap their addresses through the store."""
+    _liveness.append(socket.create_server(("", 0), backlog=128))
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)  # the address gloo binds, by the same rule
+    except OSError:
+        address = "127.0.0.1"
+    store.set(f"alive/{rank}", f"{host} {address} {_liveness[-1].getsockname()[1]}")
+    return tuple(store.get(f"alive/{other}").decode() for other in range(world_size))
+
+
+def lost_peers(ctx: DistContext, seconds: float = PROBE_SECONDS) -> list[str]:
+    """The other ranks whose liveness socket takes no connection within `seconds` (probed
+    together), each as `rank R (host, address: why)`."""
+
+    def lost(rank: int) -> str | None:
+        host, address, port = ctx.peers[rank].split()
+        try:
+            socket.create_connection((address, int(port)), timeout=seconds).close()
+        except OSError as err:
+            return f"rank {rank} ({host}, {address}: {err.strerror or err})"
+        return None
+
+    others = [rank for rank in range(len(ctx.peers)) if rank != ctx.rank]
+    with ThreadPoolExecutor(min(64, max(1, len(others)))) as pool:
+        return [line for line in pool.map(lost, others) if line]
+
+
+@contextlib.contextmanager
+def peers_named(ctx: DistContext) -> Iterator[None]:
+    """A RuntimeError in the block (a collective that failed: a peer killed, or silent past
+    run.collective_timeout) becomes PeerLost naming the ranks that no longer answer, if any."""
+    try:
+        yield
+    except RuntimeError as err:
+        lost = lost_peers(ctx) if ctx.peers else []
+        if not lost:
+            raise
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).splitlines() or [""])[0])
+        raise PeerLost(f"rank {ctx.rank} ({socket.gethostname()}): lost {', '.join(lost)}: "
+                       f"its node is down, its link cut or its process gone ({detail}); resume "
+                       "from the last checkpoint (--resume latest) once it is back") from err
 
 
 def end_process(code: int) -> NoReturn:

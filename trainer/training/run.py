@@ -27,7 +27,12 @@ from trainer.training.checkpoint import (
     resume_changes,
     verify_checkpoint,
 )
-from trainer.training.distributed import DistContext, end_process, init_distributed
+from trainer.training.distributed import (
+    DistContext,
+    end_process,
+    init_distributed,
+    peers_named,
+)
 from trainer.training.preemption import Preempted, stop_on_sigterm
 from trainer.training.run_lock import run_dir_locked
 
@@ -71,11 +76,11 @@ def parse_args(argv: list[str] | None, prog: str, doc: str) -> argparse.Namespac
 def run(config: str | None, overrides: list[str], resume: str, train_fn: TrainFn) -> int:
     """Load the config (a YAML file, then `section.key=value` overrides), join the process group,
     lock the run folder, train; the summary printed by rank 0. The exit status: 0, or a stop's
-    (trainer/training/preemption.py says why)."""
+    (trainer/training/preemption.py says why). A collective that fails names the lost ranks."""
     cfg = Config.load(config, overrides)
-    ctx = init_distributed(cfg.run.device)
+    ctx = init_distributed(cfg.run.device, cfg.run.collective_timeout)
     try:
-        with stop_on_sigterm(), run_dir_locked(cfg.run.run_dir, ctx):
+        with peers_named(ctx), stop_on_sigterm(), run_dir_locked(cfg.run.run_dir, ctx):
             summary = train_fn(cfg, ctx, resume)
     except Preempted as stop:  # a clean stop
         log.info("%s", stop)
