@@ -323,19 +323,20 @@ ENSEMBLES = {
     "ensemble_three_cnns_regions": Ensemble("Ensemble on three CNNs + DeFrag regions (19 boxes + "
                                             "the image, roi at 448 px, eq. 6, weight chosen on "
                                             "dev)", THREE_CNN_MEMBERS, fused=("roi_448",)),
-    # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
+    # the champion of 2026-11-27 (dev 318.1), now
+    # defrag-flickr8k-ensemble_three_cnns_regions_long
     "ensemble_three_cnns_regions_long": Ensemble("Ensemble on three CNNs + DeFrag regions (roi "
                                                  "at 448 px, 12 epochs, eq. 6, weight chosen on "
                                                  "dev)", THREE_CNN_MEMBERS,
-                                                 fused=("roi_448_long",),
-                                                 register_name="defrag-flickr8k"),
+                                                 fused=("roi_448_long",)),
     "ensemble_three_cnns_top2": Ensemble("Ensemble on three CNNs, each CNN's top 2 blocks "
                                          "finetuned: the two linear encoders on Lite0, Lite1 "
                                          "and Lite2 (mean score)", THREE_CNN_TOP2_MEMBERS),
+    # the strongest model of docs/results.md, pushed as models:/defrag-flickr8k@champion
     "ensemble_three_cnns_top2_regions_scan": Ensemble(
         "Ensemble on three CNNs, their top 2 blocks finetuned, + DeFrag regions (the head conv "
         "finetuned) + SCAN t2i (weights chosen on dev in turn)", THREE_CNN_TOP2_MEMBERS,
-        fused=("roi_448_top1", "scan_t2i")),
+        fused=("roi_448_top1", "scan_t2i"), register_name="defrag-flickr8k"),
     "gru_fragments": Ensemble("VSE++-style GRU + DeFrag fragments (eq. 6, weight chosen on "
                               "dev)", ["gru"], fused=("fragments_whole",)),
 }
