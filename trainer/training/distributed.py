@@ -30,6 +30,10 @@ class DistContext:
     device: torch.device
     peers: tuple[str, ...] = ()  # every rank's "host address port" of its liveness socket
 
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
 
 PROBE_SECONDS = 3.0  # a peer's liveness socket that takes no connection in this time is lost
 _liveness: list[socket.socket] = []  # this rank's, open while the process runs
@@ -37,10 +41,6 @@ _liveness: list[socket.socket] = []  # this rank's, open while the process runs
 
 class PeerLost(RuntimeError):
     """A collective failed and some other ranks no longer answer; the message names them."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def init_distributed(device: str = "auto", timeout: float = 1800.0) -> DistContext:
