@@ -4,13 +4,24 @@ faults themselves (a node killed, its link cut) are tests/test_cluster.py's."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Iterator
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
-from trainer.training.distributed import DistContext, PeerLost, lost_peers, peers_named
+from trainer.training.distributed import (
+    DistContext,
+    PeerLost,
+    _liveness,
+    _swap_liveness,
+    advertised_address,
+    lost_peers,
+    peers_named,
+)
 
 GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
 
@@ -46,3 +57,28 @@ def test_other_errors_pass_unchanged(ctx: DistContext) -> None:
         raise RuntimeError("out of memory")  # every peer answers: not a lost one
     with pytest.raises(ValueError), peers_named(ctx):
         raise ValueError("a bad value")
+
+
+def an_outside_address() -> str:
+    """An IPv4 address of this machine's that is not a loopback one."""
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback]
+    if not found:
+        pytest.skip("this machine has no IPv4 address but loopback ones")
+    return found[0]
+
+
+def test_a_rank_listens_on_and_names_the_address_of_its_route_to_the_master(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not every interface, and not a loopback address a peer on another node would probe as
+    its own: the source address of the route to MASTER_ADDR (the master's own node included)."""
+    outside = an_outside_address()
+    monkeypatch.setenv("MASTER_ADDR", outside)
+    assert advertised_address() == outside
+    [peer] = _swap_liveness(dist.HashStore(), 0, 1)
+    assert peer.split()[1:] == [outside, str(_liveness[-1].getsockname()[1])]
+    assert _liveness[-1].getsockname()[0] == outside
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # one host: its name's address, if not loopback
+    named = socket.gethostbyname(socket.gethostname())
+    assert advertised_address() == (
+        "127.0.0.1" if ipaddress.ip_address(named).is_loopback else named)

@@ -22,6 +22,7 @@ import pytest
 import requests
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 from mlflow.environment_variables import (
     MLFLOW_HTTP_REQUEST_TIMEOUT,
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION,
@@ -209,6 +210,26 @@ def test_tracking_uri_is_honoured_and_a_run_resumes(
 
     with pytest.raises(TrackingUnavailable, match=f"{uri}: cannot resume run 0123 .*store"):
         Tracker.start(Config(), tmp_path / "run", rank=0, resume_run_id="0123")
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:
+    """A restart trains again the steps between the checkpoint and the failure: those the store
+    or the spool already holds are not logged again, later ones and new keys are."""
+    first = Tracker.start(Config(), tmp_path / "run", rank=0)
+    for step in range(1, 6):
+        first.log_metrics({"loss": float(step)}, step=step)
+    first.flush()
+    first.spool.add_metrics([Metric("loss", 6.0, 0, 6)])  # what a store that was down kept
+    # killed here: no finish; resumed from the checkpoint of step 2
+    second = Tracker.start(Config(), tmp_path / "run", rank=0, resume_run_id=first.run_id)
+    for step in range(3, 9):
+        second.log_metrics({"loss": 10.0 + step, "val": 1.0}, step=step)
+    second.finish()
+    client = MlflowClient(tracking_uri=first.tracking_uri)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "loss"))
+    assert history == [(s, float(s)) for s in range(1, 7)] + [(7, 17.0), (8, 18.0)]
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "val")) == [
+        3, 4, 5, 6, 7, 8]
 
 
 def test_run_closed_by_context_manager_records_the_failure(tmp_path: Path,

@@ -73,16 +73,28 @@ class Spool:
         returns (so never sent twice); raises what `send` raises. How many were sent."""
         if not self.metrics.exists():
             return 0
-        sent, start = 0, int(self.sent.read_text()) if self.sent.exists() else 0
-        with self.metrics.open("rb") as stream:
-            stream.seek(start)
-            for batch, done in self._batches(stream, start):
-                send(batch)
-                write_atomically(self.sent, str(done).encode())
-                sent += len(batch)
+        sent = 0
+        for batch, done in self._unsent_batches():
+            send(batch)
+            write_atomically(self.sent, str(done).encode())
+            sent += len(batch)
         self.metrics.unlink()
         self.sent.unlink(missing_ok=True)
         return sent
+
+    def unsent_metrics(self) -> Iterator[Metric]:
+        """The spooled metrics not sent yet, oldest first."""
+        for batch, _ in self._unsent_batches():
+            yield from batch
+
+    def _unsent_batches(self) -> Iterator[tuple[list[Metric], int]]:
+        """The spooled metrics not sent yet, in batches, each with the offset after it."""
+        if not self.metrics.exists():
+            return
+        start = int(self.sent.read_text()) if self.sent.exists() else 0
+        with self.metrics.open("rb") as stream:
+            stream.seek(start)
+            yield from self._batches(stream, start)
 
     def _batches(self, stream: Any, offset: int) -> Iterator[tuple[list[Metric], int]]:
         """The metrics from `offset` on, in batches, each with the offset after it; a line that

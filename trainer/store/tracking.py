@@ -174,6 +174,7 @@ class Tracker:
         self._failures: Counter[str] = Counter()
         self._dropped_metrics = 0
         self._finished = False
+        self.logged: dict[str, int] = {}  # a resumed run's last step of each metric (`held`)
 
     @property
     def enabled(self) -> bool:
@@ -215,6 +216,8 @@ class Tracker:
         log.info("tracking: MLflow run %s in %s", run_id, tracking_uri)
         if resume_run_id is None:  # MLflow's params are immutable: a resumed run keeps those it
             tracker.log_params(config)  # started with (trainer.main tags what a resume changed)
+        else:
+            tracker.logged = tracker.held() or {}
         return tracker
 
     @_tolerant("params")
@@ -236,13 +239,30 @@ class Tracker:
         """Tag the run, credentials in `value` masked."""
         self.client.set_tag(self.run_id, key, redact(value))
 
+    @_tolerant("metrics")
+    def held(self) -> dict[str, int]:
+        """The last step of each metric the run already holds, in its store or its spool. A
+        resumed run trains again the steps between its checkpoint and the failure; `log_metrics`
+        skips those the attempt before logged, so that each step is in the history once."""
+        last = {}
+        for key in self.client.get_run(self.run_id).data.metrics:
+            last[key] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
+        for metric in self.spool.unsent_metrics():
+            last[metric.key] = max(last.get(metric.key, metric.step), metric.step)
+        if last:
+            log.info("tracking: run %s holds steps up to %d; steps trained again after the "
+                     "checkpoint are not logged twice", self.run_id, max(last.values()))
+        return last
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Queue metrics (floats or 0-d tensors) at `step`; sent every `flush_seconds`."""
+        """Queue metrics (floats or 0-d tensors) at `step`, but none at a step the resumed run
+        already holds for its key; sent every `flush_seconds`."""
         if not self.enabled:
             return
         timestamp = int(time.time() * 1000)
         self._pending.extend(Metric(key, float(value), timestamp, step)
-                             for key, value in metrics.items())
+                             for key, value in metrics.items()
+                             if step > self.logged.get(key, -1))
         if len(self._pending) > MAX_PENDING_METRICS:
             excess = len(self._pending) - MAX_PENDING_METRICS
             del self._pending[:excess]

@@ -6,6 +6,7 @@ it. The loss gathers the global batch itself (trainer/objectives.py, docs/design
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import socket
@@ -75,16 +76,28 @@ def init_distributed(device: str = "auto", timeout: float = 1800.0) -> DistConte
 
 
 def _swap_liveness(store: dist.Store, rank: int, world_size: int) -> tuple[str, ...]:
-    """Open this rank's liveness socket (the kernel takes a probe's connection while the
-    process lives, whatever it is doing) and swap their addresses through the store."""
-    _liveness.append(socket.create_server(("", 0), backlog=128))
-    host = socket.gethostname()
-    try:
-        address = socket.gethostbyname(host)  # the address gloo binds, by the same rule
-    except OSError:
-        address = "127.0.0.1"
-    store.set(f"alive/{rank}", f"{host} {address} {_liveness[-1].getsockname()[1]}")
+    """Open this rank's liveness socket on the address other nodes reach it at (the kernel
+    takes a probe's connection while the process lives, whatever it is doing) and swap their
+    addresses through the store."""
+    address = advertised_address()
+    _liveness.append(socket.create_server((address, 0), backlog=128))
+    port = _liveness[-1].getsockname()[1]
+    store.set(f"alive/{rank}", f"{socket.gethostname()} {address} {port}")
     return tuple(store.get(f"alive/{other}").decode() for other in range(world_size))
+
+
+def advertised_address() -> str:
+    """This node's address as the others reach it: the source of its route to MASTER_ADDR, else
+    the address its host name resolves to (gloo's rule), the first that is not a loopback one
+    (127.0.1.1 is Debian's for the host name); 127.0.0.1 when both are (a job on one host)."""
+    found = []
+    with contextlib.suppress(OSError, KeyError), \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+        route.connect((os.environ["MASTER_ADDR"], 9))  # UDP: picks the route, sends nothing
+        found.append(route.getsockname()[0])
+    with contextlib.suppress(OSError):
+        found.append(socket.gethostbyname(socket.gethostname()))
+    return next((a for a in found if not ipaddress.ip_address(a).is_loopback), "127.0.0.1")
 
 
 def lost_peers(ctx: DistContext, seconds: float = PROBE_SECONDS) -> list[str]:
