@@ -360,7 +360,13 @@ class NamespaceCluster:
         wait_for(lambda: munge_works(munge_socket), 20, "munged to answer", folder / "munged.log")
         host, line = this_host()
         hardware = line.split(maxsplit=1)[1]  # CPUs=... RealMemory=...
+        cpus = int(re.search(r"\bCPUs=(\d+)", hardware)[1])
+        memory = re.search(r"RealMemory=\d+", hardware)[0]
+        smaller = f"CPUs={cpus - 1} {memory}"
         nodes = [f"NodeName={n} NodeAddr={a} {hardware}" for n, a in self.nodes.items()]
+        if len(nodes) > 1 and cpus > 1:  # the last node smaller, as in clusters of mixed nodes
+            name, address = list(self.nodes.items())[-1]
+            nodes[-1] = f"NodeName={name} NodeAddr={address} {smaller}"
         (folder / "state").mkdir()
         (folder / "slurm.conf").write_text(slurm_conf(
             folder, f"{host}({self.controller})", nodes, f"socket={folder / 'munge.socket'},"))
