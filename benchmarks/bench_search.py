@@ -14,6 +14,11 @@
     python benchmarks/bench_search.py scale --index INDEX [--sizes 1000 10000 100000]
                                             [--fragments 20] [--noise 0.5]
                                             [--first-stage-only 1000000]
+    # 4. one flat first-stage pass (every query row's product with every key) over float32,
+    #    bf16 and int8 keys (synthetic, the time does not depend on the values), the float32
+    #    pass as the floor, and the bound each key's rounding adds (relative to |k| |q|)
+    python benchmarks/bench_search.py keys [--keys 100000] [--dim 1001] [--rows 16]
+                                           [--threads 2] [--repeat 9]
 
 `scale` takes the model, the embedding size and the query sentences from the real INDEX and
 writes synthetic indexes of that model under --work (default /tmp/defrag-bench-search); the
@@ -36,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.search.certificate import Ranking
+from trainer.search.compact_keys import CompactKeys, compact_keys
 from trainer.search.fragment_set import FragmentSet, rank
 from trainer.search.index import (
     BUDGET_S,
@@ -296,7 +302,8 @@ def scale(args: argparse.Namespace) -> None:
                "p95_ms": 1000 * float(np.percentile(times, 95)),
                "exact_scan_ms": 1000 * scan, "rss_added_gib": (process.memory_info().rss
                                                               - before) / GIB,
-               "first_stage": type(index.images.first).__name__, "build_s": built,
+               "first_stage": ("int8 keys" if index.images.compact is not None
+                               else type(index.images.first).__name__), "build_s": built,
                "first_stage_recall": recall, "certified": statistics.mean(certified),
                "top10_unchanged": unchanged}
         results.append(row)
@@ -343,6 +350,47 @@ def first_stage_only(real: SearchIndex, texts: list[str], images: int, fragments
     return row
 
 
+def median_ms(run, repeat: int) -> float:
+    """The median time of `repeat` runs of `run()` after one to warm up, in ms."""
+    run()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def keys(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(0)
+    floats = torch.randn(args.keys, args.dim, generator=generator)
+    rows = torch.randn(args.rows, args.dim, generator=generator)
+    center = floats[:10_000].mean(0)
+    compact = CompactKeys({name: tensor.numpy() for name, tensor in compact_keys(
+        lambda block: floats[block].double(), len(floats), center).items()}, center)
+    halves = floats.bfloat16()
+    passes = {"float32": lambda: rows @ floats.T,
+              "bf16": lambda: rows.bfloat16() @ halves.T,
+              "int8": lambda: torch._int_mm(compact.codes, compact.codes[:args.rows].T
+                                            .contiguous()),
+              "int8 first stage (query coded, products scaled)": lambda: compact.scan(
+                  rows.double())}
+    ms = {name: median_ms(run, args.repeat) for name, run in passes.items()}
+    size = torch.linalg.vector_norm(floats - center, dim=1).numpy()
+    rounded = torch.linalg.vector_norm(floats - halves.float(), dim=1).numpy()
+    error = {"int8": float(np.median(compact.error / size)),
+             "bf16": float(np.median(rounded / torch.linalg.vector_norm(floats, dim=1).numpy()))}
+    print(f"{args.keys} keys x {args.dim}, {args.rows} query rows, {args.threads} threads, "
+          f"median of {args.repeat}:")
+    for name, value in ms.items():
+        print(f"  {name:>48}: {value:7.1f} ms per pass ({ms['float32'] / value:.1f}x float32)")
+    print(f"  a key's rounding |k - k~| / |k| (median): int8 {error['int8']:.2e}, bf16 "
+          f"{error['bf16']:.2e}")
+    print(json.dumps({"keys": args.keys, "dim": args.dim, "rows": args.rows,
+                      "threads": args.threads, "ms_per_pass": ms, "key_error": error}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -377,9 +425,15 @@ def main() -> None:
     sizes.add_argument("--first-stage-only", type=int, default=1_000_000,
                        help="images of the first stage measured alone (0: skip)")
     sizes.add_argument("--work", type=Path, default=Path("/tmp/defrag-bench-search"))
+    passes = commands.add_parser("keys")
+    passes.add_argument("--keys", type=int, default=100_000)
+    passes.add_argument("--dim", type=int, default=1001)
+    passes.add_argument("--rows", type=int, default=16, help="query rows (one query's)")
+    passes.add_argument("--threads", type=int, default=2)
+    passes.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    {"agreement": agreement, "certify": certify, "scale": scale}[args.command](args)
+    {"agreement": agreement, "certify": certify, "scale": scale, "keys": keys}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ bounds, not a batch covering every candidate, decide when it stops."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,21 +69,11 @@ def answered(found: Retrieved, keys: np.ndarray, count: int) -> np.ndarray:
 
 
 def first_round(opened: index.Collection, query: FragmentSet, keys: int, probe: int,
-                patch: pytest.MonkeyPatch) -> tuple[Retrieved, np.ndarray]:
-    """One first-stage answer and the key of each of its pairs, as `Collection._bounded` reads
-    them (its pairs are its `ids` >= 0, row by row); none for an answer of every key."""
-    seen = []
-    bounded = index.Collection._bounded
-
-    def recorded(self: index.Collection, scores: np.ndarray, ids: np.ndarray,
-                 *rest: object) -> Retrieved:
-        seen.append(np.asarray(ids))
-        return bounded(self, scores, ids, *rest)
-
-    with patch.context() as context:
-        context.setattr(index.Collection, "_bounded", recorded)
-        found = opened.first_stage(query)(keys, probe)
-    return found, (seen[0][seen[0] >= 0] if seen else np.zeros(0, np.int64))
+                _patch: object = None) -> tuple[Retrieved, np.ndarray]:
+    """One first-stage answer and the key of each of its pairs (a fifth argument, which
+    tests/test_index.py passes, is not needed)."""
+    found = opened.first_stage(query)(keys, probe)
+    return found, found.key
 
 
 def definition_scores(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
@@ -91,7 +82,7 @@ def definition_scores(opened: index.Collection, keys: np.ndarray, query: Fragmen
     each item's score from them by its definition: eq. 6's sum of max(0, v_i . s_j) over the
     item's pairs times 1/(n (m + smooth)) for an image of n rows, 1/(m (n + smooth)) for a
     sentence; the cosine and inner scores are the products of the items' keys."""
-    products = index.first_stage_keys(query, opened.score)[0].double().numpy() @ keys.T
+    products = exact_keys(query, opened.score) @ keys.T
     if opened.score != "eq6":
         return products, products[0]
     m, n = len(query.embeddings), np.maximum(opened.counts, 1)  # an item of no rows scores 0
@@ -111,13 +102,13 @@ def model_agrees(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
 
 def bounds_hold(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
                 image_side: bool, smooth: float, asked: tuple[int, int],
-                patch: pytest.MonkeyPatch) -> dict[str, float]:
+                _patch: object = None) -> dict[str, float]:
     """A first-stage answer's bounds (`asked`: keys, probe) checked against their definitions,
     with nothing scored for the search: each returned pair's bound >= the exact product of its
     key (`keys`: every key, float64) and query row; each key a row did not return scores at
     most that row's `unseen`; each returned item's bound >= its score, every other item's
     score <= the bound on the rest. Returns how tight each was (least bound minus bounded)."""
-    found, pair_keys = first_round(opened, query, *asked, patch)
+    found, pair_keys = first_round(opened, query, *asked)
     products, scores = definition_scores(opened, keys, query, image_side, smooth)
     assert np.array_equal(opened.key_item[pair_keys], found.items)
     exact = products[found.rows, pair_keys]
@@ -131,26 +122,32 @@ def bounds_hold(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
     assert np.all(scores[items] <= bounds), (bounds - scores[items]).min()
     rest = np.delete(scores, items)
     assert np.all(rest <= outside), outside - rest.max()
+    left = dropped > -np.inf  # rows with a key not returned
     return {"pair": float(np.min(found.upper - exact, initial=np.inf)),
-            "unseen": float(np.min(found.unseen - dropped)),
-            "rest": float(outside - rest.max(initial=-np.inf))}
+            "unseen": float(np.min(found.unseen[left] - dropped[left], initial=np.inf)),
+            "rest": float(outside - rest.max()) if len(rest) else np.inf}
+
+
+def exact_keys(fragments: FragmentSet, score: str) -> np.ndarray:
+    """The first-stage keys of `fragments` computed in float64, as the model scores them."""
+    return index.first_stage_keys(dataclasses.replace(
+        fragments, embeddings=fragments.embeddings.double()), score)[0].numpy()
 
 
 def every_key(opened: index.Collection) -> np.ndarray:
     """The first stage's keys in float64 [N, d], built again from the stored rows."""
-    stored = opened.select(range(len(opened.items)))
-    return index.first_stage_keys(stored, opened.score)[0].double().numpy()
+    return exact_keys(opened.select(range(len(opened.items))), opened.score)
 
 
 def disagreements(opened: index.Collection, score: str, image_side: bool,
                   budget_s: float | None, k: int = TOP,
-                  patch: pytest.MonkeyPatch | None = None) -> tuple[list[int], int, int]:
+                  check_bounds: bool = False) -> tuple[list[int], int, int]:
     """For 25 queries (24 with rows): those whose certified result differs from the exact
     scan, how many were certified, and the items scored exactly over all of them. With
-    `patch`, each query's first round of bounds is checked first (`bounds_hold`)."""
+    `check_bounds`, each query's first round of bounds is checked first (`bounds_hold`)."""
     queries = fragments(25, 4 if image_side else 6, seed=2, side=-1.0)
     wrong, certified, scored = [], 0, 0
-    keys = every_key(opened) if patch is not None else None
+    keys = every_key(opened) if check_bounds else None
     for q in range(25):
         query = queries.select([q])
         if not len(query.embeddings):
@@ -160,7 +157,7 @@ def disagreements(opened: index.Collection, score: str, image_side: bool,
                 model_agrees(opened, keys, query, image_side, SMOOTH)
             bounds_hold(opened, keys, query, image_side, SMOOTH, (
                 opened.key_candidates if score == "eq6" else max(k, index.CANDIDATES),
-                opened.probe), patch)
+                opened.probe))
         found = index.search(opened, query, k, image_side, SMOOTH, score, budget_s=budget_s)
         truth = index.search(opened, query, k, image_side, SMOOTH, score, exact_scan=True)
         same = [h.position for h in found.hits] == [h.position for h in truth.hits]
@@ -189,7 +186,7 @@ def test_certified_results_are_the_exact_scans(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", dims)
     opened = collection(tmp_path, score, image_side)
     wrong, certified, scored = disagreements(opened, score, image_side, budget_s=None,
-                                             patch=monkeypatch)
+                                             check_bounds=True)
     assert wrong == [] and certified == 24  # no budget: widened until certified
     if score == "eq6":  # the first stage ruled most items out
         assert scored < 0.6 * 25 * ITEMS, scored
@@ -243,7 +240,8 @@ def test_a_first_stage_that_ignores_the_query_is_caught(tmp_path: Path,
         def answer(keys: int, probe: int) -> Retrieved:
             found = search(keys, probe)
             return Retrieved(found.items, found.rows % rows, found.upper,
-                             np.resize(found.unseen, rows), found.keys, found.complete)
+                             np.resize(found.unseen, rows), found.keys, found.complete,
+                             found.key)
         return answer
 
     monkeypatch.setattr(index.Collection, "first_stage", ignores_the_query)
@@ -325,8 +323,7 @@ def test_rows_built_to_meet_each_bound(tmp_path: Path, monkeypatch: pytest.Monke
         query = FragmentSet(["query"], torch.tensor([row]), owners([1]), torch.zeros(1, 3))
         probe = index.first_stage_keys(query, score)[0]
         term = opened.largest_residual * float(index.left_out(probe, opened.basis)[0])
-        margins = bounds_hold(opened, keys, query, True, SMOOTH, (12, opened.lists),
-                              monkeypatch)
+        margins = bounds_hold(opened, keys, query, True, SMOOTH, (12, opened.lists))
         assert term > 0.08 and max(margins.values()) < 1e-3 * term, (term, margins)
 
 
@@ -359,7 +356,7 @@ def test_the_certificate_holds_only_above_every_bound(tmp_path: Path,
     opened.key_candidates, opened.probe = 50, opened.lists
     query = FragmentSet(["query"], torch.tensor([[1.0, 0.0, 1.0]]), owners([1]),
                         torch.zeros(1, 3))
-    bounds_hold(opened, every_key(opened), query, True, SMOOTH, (50, opened.lists), monkeypatch)
+    bounds_hold(opened, every_key(opened), query, True, SMOOTH, (50, opened.lists))
     found = index.search(opened, query, 1, True, SMOOTH, score, budget_s=None)
     assert found.exact and [hit.position for hit in found.hits] == [61]
 
@@ -374,8 +371,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> SearchWorld:
 def test_a_trained_models_bounds_hold_and_certify(trained: SearchWorld,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A trained model's rows, 2 keys per query row: each caption's first stage over the
-    images, and each image's over the sentences, bounds every pair and item by the
-    definitions; with a first batch of 1, each certified top 3 is the exact scan's."""
+    images, and each image's over the sentences (their int8 keys), bounds every pair and item
+    by the definitions; with a first batch of 1, each certified top 3 is the exact scan's."""
     searched = index.SearchIndex.open(trained.index)
     objective = searched.embedder.cfg.objective
     monkeypatch.setattr(certificate, "RESCORE_FIRST", 1)
@@ -385,9 +382,10 @@ def test_a_trained_models_bounds_hold_and_certify(trained: SearchWorld,
     for side, image_side, queries in ((searched.images, True, captions),
                                       (searched.sentence_set, False, images)):
         side.key_candidates, keys = 2, every_key(side)
+        assert side.compact is not None  # the int8 keys (trainer/search/compact_keys.py)
         model_agrees(side, keys, queries[0], image_side, objective.smooth)
         for query in queries:
-            bounds_hold(side, keys, query, image_side, objective.smooth, (2, 1), monkeypatch)
+            bounds_hold(side, keys, query, image_side, objective.smooth, (2, 1))
             found, truth = (index.search(side, query, 3, image_side, objective.smooth,
                                          objective.score, exact_scan=scan, budget_s=None)
                             for scan in (False, True))

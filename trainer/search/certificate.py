@@ -60,6 +60,7 @@ class Retrieved:
     unseen: np.ndarray  # float64 [m]: >= v_i . s_j of any pair of row j not retrieved; -inf: none
     keys: int  # keys searched per query row
     complete: bool  # every key of every row was returned: nothing more to widen
+    key: np.ndarray  # int64 [P]: the key of each pair (what `upper` bounds the product of)
 
 
 def item_bounds(found: Retrieved, eq6: bool, counts: np.ndarray,

@@ -9,8 +9,11 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
   `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
   int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
   in the file's pixels; the first stage's `key_item` (each key's image), projection (`center`,
-  `basis`) and what the certificate's bounds need (`first_stage_bounds`). Memory-mapped.
-- `images.faiss`: the first stage over the projected keys (`build_first_stage`).
+  `basis`) and what the certificate's bounds need (`first_stage_bounds`); a flat first stage's
+  keys also as int8 codes with their errors (`int8_codes`, `int8_scale`, `int8_error`,
+  `int8_norm`: trainer/search/compact_keys.py), which it scans. Memory-mapped.
+- `images.faiss`: the first stage over the projected keys (`build_first_stage`); flat, the
+  float32 keys that indexes of format 2 scan, and any index where int8 products are not exact.
 - `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
   fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
   --sentences file, else the captions of --shards.
@@ -47,6 +50,12 @@ from defrag.images import DECODER_VERSION, MAX_IMAGE_PIXELS
 from trainer.batch import owners
 from trainer.objectives import owner_means
 from trainer.search.certificate import Ranking, Retrieved, certified_top_k, full_scan
+from trainer.search.compact_keys import (
+    MOST_DIMS,
+    CompactKeys,
+    compact_keys,
+    int8_products_exact,
+)
 from trainer.search.embedder import (
     Embedder,
     RetrievalError,
@@ -60,7 +69,8 @@ from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = 2  # 2: the certificate's bounds (first_stage_bounds)
+INDEX_FORMAT = 3  # 2: the certificate's bounds (first_stage_bounds); 3: a flat first
+READS = (2, 3)  # stage's int8 keys (format 2 is searched through its float32 keys)
 FIRST_STAGE_DIMS = 256  # principal directions of an IVF first stage's keys (+ 1 column)
 PROJECTION_SAMPLE = 50_000  # keys the projection is fitted on
 IVF_FROM = 500_000  # keys from which the first stage is an IVF index instead of an exact scan
@@ -86,12 +96,18 @@ def first_stage_keys(fragments: FragmentSet, score: str) -> tuple[torch.Tensor, 
     """What the first stage indexes, [N_key, d], and each key's item [N_key]: for eq. 6 every
     fragment row (its threshold acts on each fragment pair, so an item's mean row ranks badly:
     benchmarks/README.md), else each item's mean row (of unit length for the cosine score),
-    whose inner product with the query's is the model's score."""
+    whose inner product with the query's is the model's score. float64 rows give float64
+    keys: the model's own, as the exact rescoring computes them."""
     if score == "eq6":
         return fragments.embeddings, fragments.owner
-    means = owner_means(fragments.embeddings.float(), fragments.owner, len(fragments.items))
-    keys = torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
-    return keys, torch.arange(len(fragments.items))
+    return item_keys(fragments.embeddings, fragments.owner, len(fragments.items),
+                     score), torch.arange(len(fragments.items))
+
+
+def item_keys(rows: torch.Tensor, owner: torch.Tensor, count: int, score: str) -> torch.Tensor:
+    """The `count` items' mean rows (of unit length for the cosine score), float32 or float64."""
+    means = owner_means(rows if rows.dtype == torch.float64 else rows.float(), owner, count)
+    return torch.nn.functional.normalize(means, dim=1) if score == "cosine" else means
 
 
 def quantize(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +217,21 @@ class StoredRows:
         return self.rows[index].float() * self.scale[index][:, None]
 
 
+def exact_keys(stored: StoredRows, start: torch.Tensor,
+               score: str) -> Callable[[slice], torch.Tensor]:
+    """The keys of a block of key numbers in float64, as the exact rescoring computes them: the
+    stored rows (eq. 6), or the mean rows of a block of items."""
+    if score == "eq6":
+        return lambda block: stored[block].double()
+
+    def keys(block: slice) -> torch.Tensor:
+        first, last = block.start, min(block.stop, len(start) - 1)
+        counts = (start[first + 1:last + 1] - start[first:last]).tolist()
+        rows = stored[int(start[first]):int(start[last])].double()
+        return item_keys(rows, owners(counts), len(counts), score)
+    return keys
+
+
 def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
     """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
     start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
@@ -219,9 +250,11 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
     center, basis = fit_projection(keys, fragments.embeddings.shape[1]
                                    if len(keys) < IVF_FROM else FIRST_STAGE_DIMS)
     first = build_first_stage(keys, center, basis)
+    compact = (compact_keys(exact_keys(stored, start, score), len(keys), center)
+               if not isinstance(first, faiss.IndexIVF) and len(center) <= MOST_DIMS else {})
     save_file({"rows": rows, "scale": scale, "start": start,
                "detail": fragments.detail.contiguous(), "key_item": key_item,
-               "center": center, "basis": basis,
+               "center": center, "basis": basis, **compact,
                **first_stage_bounds(first, keys, center, basis)}, folder / f"{stem}.safetensors")
     faiss.write_index(first, str(folder / f"{stem}.faiss"))
 
@@ -235,7 +268,7 @@ def memory_map(path: Path) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as read-only memory maps (the format is an 8-byte
     header size, a JSON header, then the raw little-endian arrays), nothing read up front;
     RetrievalError naming the file when it is cut short (a copy that did not finish)."""
-    dtypes = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
+    dtypes = {"F16": np.float16, "F32": np.float32, "I64": np.int64, "I8": np.int8}
     rebuild = "the file is truncated or damaged: rebuild the index with defrag index"
     with path.open("rb") as stream:
         size = int.from_bytes(stream.read(8), "little")
@@ -280,6 +313,8 @@ class Collection:
         self.first = faiss.read_index(str(folder / f"{stem}.faiss"),  # pages shared by
                                       faiss.IO_FLAG_MMAP_IFC)  # every server worker
         self.lists = self.first.nlist if isinstance(self.first, faiss.IndexIVF) else 0
+        self.compact = (CompactKeys(arrays, self.center)
+                        if "int8_codes" in arrays and int8_products_exact() else None)
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
         self._reach: float | None = None  # max_n n norm(n) over the items (`reach`)
         self._keys: torch.Tensor | None = None  # a flat first stage's keys (`_flat_keys`)
@@ -302,6 +337,9 @@ class Collection:
         with an upper bound on its exact inner product, and the bound on every pair not
         returned (trainer/search/certificate.py). A flat first stage computes every product
         once (one pass over the keys) and widens by keeping more of them."""
+        if self.compact is not None:  # the model's own float64 query keys
+            return self._compact_search(first_stage_keys(dataclasses.replace(
+                query, embeddings=query.embeddings.double()), self.score)[0])
         q, _ = first_stage_keys(query, self.score)
         q = q.float()
         probes = project(q, self.center, self.basis, queries=True)
@@ -313,7 +351,7 @@ class Collection:
                 if keys >= total and probe >= self.lists:  # everything: score every item
                     return Retrieved(*(np.zeros(0, dtype) for dtype in (
                         np.int64, np.int64, np.float64)), np.full(len(probes), -np.inf),
-                        total, True)
+                        total, True, np.zeros(0, np.int64))
                 scores, ids, beyond = self._ivf_search(probes, lengths, min(keys, total),
                                                        min(probe, self.lists))
                 full = (ids[:, -1] >= 0) & (keys < total)  # rows with keys left unreturned
@@ -329,6 +367,24 @@ class Collection:
             return self._bounded(products[:, every].numpy(), np.broadcast_to(
                 every, (len(probes), len(every))), last, np.full(len(probes), -np.inf),
                 keys >= total, lengths, outside, min(keys, total))
+        return search
+
+    def _compact_search(self, q: torch.Tensor) -> Callable[[int, int], Retrieved]:
+        """The flat first stage over the int8 keys: one pass, then as the float32 one, each
+        pair and each row's `unseen` bounded by trainer/search/compact_keys.py."""
+        compact, total, rows = self.compact, len(self.key_item), np.arange(len(q))
+        scan = compact.scan(q)
+
+        def search(keys: int, probe: int) -> Retrieved:
+            best = torch.topk(scan.products, min(keys, total), dim=1)
+            unseen = (scan.bound(best.values[:, -1].numpy(), rows, compact.most_error,
+                                 compact.most_norm) if keys < total else np.full(len(q), -np.inf))
+            every = self._keys_of(np.unique(self.key_item[best.indices.numpy()]))
+            row, key = np.repeat(rows, len(every)), np.tile(every, len(q))
+            upper = scan.bound(scan.products[:, every].numpy().ravel(), row, compact.error[key],
+                               compact.norm[key])
+            return Retrieved(self.key_item[key], row, upper, unseen, min(keys, total),
+                             keys >= total, key)
         return search
 
     def _keys_of(self, items: np.ndarray) -> np.ndarray:
@@ -374,7 +430,7 @@ class Collection:
         key = ids[row, column]
         upper = (scores[row, column] + self.code_error * lengths[row] + slack[row]
                  + self.residual[key] * outside[row])
-        return Retrieved(self.key_item[key], row, upper, unseen, found, complete)
+        return Retrieved(self.key_item[key], row, upper, unseen, found, complete, key)
 
     def scorer(self, query: FragmentSet, image_side: bool,
                rank_fn: Callable[[FragmentSet, FragmentSet], torch.Tensor]
@@ -466,9 +522,10 @@ class SearchIndex:
         except (OSError, ValueError) as err:
             raise RetrievalError(f"{folder} is not a search index ({err}): build one with "
                                  "defrag index") from err
-        if meta.get("format") != INDEX_FORMAT:
+        if meta.get("format") not in READS:
             raise RetrievalError(f"index {folder} has format {meta.get('format')!r}, this code "
-                                 f"reads {INDEX_FORMAT}: rebuild it with defrag index")
+                                 f"reads formats {' and '.join(map(str, READS))}: rebuild it with "
+                                 "defrag index")
         if not isinstance(model, ModelFolder):
             model = ModelFolder.open(model or meta["model_dir"])
         embedder = load_one_model(model, None, None, meta["parser"])

@@ -1,0 +1,139 @@
+"""A flat first stage's keys at one byte a dimension (docs/design.md section 11): each key x = k - c
+(c: the collection's mean key) as int8 codes a times a per-row float32 scale s, the query rows q
+the same (codes b, scale t), so one integer matrix product, exact in int32, gives every product
+of a query with every key; what the codes and the scaling round is in the bounds.
+
+A pair's bound. k and q are the key and the query row as the exact rescoring computes them in
+float64 (a fragment row: fp16 times its scale; or an item's mean row); e_k = x - s a and
+e_q = q - t b. Then
+    k . q = c . q + s t (a . b) + (s a) . e_q + e_k . q,
+    |(s a) . e_q| <= N_k E_q and |e_k . q| <= E_k Q   (Cauchy-Schwarz),
+with E_k >= |e_k| and N_k >= |s a| stored per key, E_q >= |e_q| and Q >= |q| per query row
+(each measured in float64 against the exact rows, widened by MARGIN, rounded up to float32).
+a . b = I is an exact int32 (|I| <= 127^2 d < 2^31 for d <= MOST_DIMS); the pass returns
+y = fl(fl(fl(I) t) s), three float32 roundings: s t I = y (1 + th)^-1 with |th| <= gamma_3, so
+|s t I - y| <= SCALING |y| (+ TINY for an underflow). C = fl64(c . q) is within d 2^-52 |c| |q|
+of c . q. Hence
+    k . q <= y + C + SCALING |y| + E_k Q + N_k E_q + d 2^-52 |c| Q + TINY     (the pair bound),
+plus MARGIN of the terms' size for the float64 arithmetic of the bound itself. A key that a query
+row's first stage did not return has y <= y_last, the row's last returned; the bound grows with
+y, E_k and N_k, so the row's `unseen` is the bound at y_last with the largest E_k and N_k.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+LEVELS = 127  # codes in [-127, 127]
+MOST_DIMS = (2**31 - 1) // LEVELS**2  # 133,144: a . b fits int32 (more: no int8 keys written)
+UNIT = 2**-24  # float32's unit roundoff
+SCALING = 4 * UNIT  # gamma_3 / (1 - gamma_3) <= 4 UNIT: the pass's three float32 roundings
+MARGIN = 2**-30  # relative: the float64 arithmetic of codes' errors and bounds (2^-53 an op)
+TINY = 2**-100  # absolute: a float32 underflow of the scaled products (2^-149 a rounding)
+BLOCK = 1 << 13  # keys encoded at a time (float64 copies)
+
+
+def round_up(x: np.ndarray) -> np.ndarray:
+    """The least float32 >= each float64 of x."""
+    y = x.astype(np.float32)
+    return np.where(y < x, np.nextafter(y, np.float32(np.inf)), y)
+
+
+def encode(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows (float64, exact) as int8 `codes` [n, d] times a float32 `scale` [n] (the largest
+    magnitude / 127), with `error` >= |row - scale codes| and `norm` >= |scale codes|, float32
+    rounded up (the error is measured, so any rounding of scale or codes is counted)."""
+    scale = (rows.abs().amax(dim=1) / LEVELS).float().clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(rows / scale.double()[:, None]).clamp(-LEVELS, LEVELS).to(torch.int8)
+    coded = scale.double()[:, None] * codes.double()  # exact: 24 + 8 bits
+    error = torch.linalg.vector_norm(rows - coded, dim=1).numpy()
+    size = torch.linalg.vector_norm(rows, dim=1).numpy()
+    norm = torch.linalg.vector_norm(coded, dim=1).numpy()
+    return {"codes": codes, "scale": scale,
+            "error": torch.from_numpy(round_up((error + MARGIN * size) * (1 + MARGIN))),
+            "norm": torch.from_numpy(round_up(norm * (1 + MARGIN)))}
+
+
+def compact_keys(keys: Callable[[slice], torch.Tensor], total: int,
+                 center: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The safetensors entries of `total` keys (`keys(slice)`: float64 rows, the model's)
+    minus `center`: `int8_codes`, `int8_scale`, `int8_error`, `int8_norm` (`encode`), a block
+    at a time."""
+    parts = [encode(keys(slice(begin, begin + BLOCK)) - center.double())
+             for begin in range(0, total, BLOCK)]
+    if not parts:
+        parts = [encode(torch.zeros(0, len(center), dtype=torch.float64))]
+    return {f"int8_{name}": torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+class CompactKeys:
+    """The compact keys of an opened index (`int8_codes` memory-mapped) and their one pass."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], center: torch.Tensor) -> None:
+        with warnings.catch_warnings():  # a read-only memory map, which nothing writes
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            self.codes = torch.from_numpy(arrays["int8_codes"])  # int8 [N, d]
+        self.scale = torch.from_numpy(np.array(arrays["int8_scale"]))
+        self.error = np.array(arrays["int8_error"], np.float64)
+        self.norm = np.array(arrays["int8_norm"], np.float64)
+        self.center = center.double()
+        self.most_error = float(self.error.max(initial=0.0))
+        self.most_norm = float(self.norm.max(initial=0.0))
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def scan(self, exact: torch.Tensor) -> Scan:
+        """Every product of the query rows (float64 [m, d], the model's) with every key: one
+        int8 pass."""
+        coded = encode(exact)
+        products = torch._int_mm(self.codes, coded["codes"].T.contiguous()) if len(self) else (
+            torch.zeros(0, len(exact), dtype=torch.int32))
+        products = products.float().mul_(coded["scale"]).mul_(self.scale[:, None])
+        size = torch.linalg.vector_norm(exact, dim=1).numpy() * (1 + MARGIN)
+        center = float(torch.linalg.vector_norm(self.center)) * (1 + MARGIN)
+        return Scan(products.T.contiguous(), (exact @ self.center).numpy(), size,
+                    coded["error"].numpy().astype(np.float64),
+                    len(self.center) * 2**-52 * center * size)
+
+
+class Scan:
+    """One query's pass: `products` y [m, N] (float32) and what bounds k . q from y."""
+
+    def __init__(self, products: torch.Tensor, shift: np.ndarray, size: np.ndarray,
+                 error: np.ndarray, shift_error: np.ndarray) -> None:
+        self.products = products
+        self.shift, self.size, self.error, self.shift_error = shift, size, error, shift_error
+
+    def bound(self, y: np.ndarray, rows: np.ndarray, key_error: np.ndarray | float,
+              key_norm: np.ndarray | float) -> np.ndarray:
+        """The bound on k . q of query row `rows` and a key of `key_error` (E_k) and
+        `key_norm` (N_k) whose pass product is y (module doc)."""
+        y = np.asarray(y, np.float64)
+        slack = (SCALING * np.abs(y) + self.size[rows] * key_error + self.error[rows] * key_norm
+                 + self.shift_error[rows] + TINY)
+        value = y + self.shift[rows]
+        return value + slack + MARGIN * (np.abs(y) + np.abs(self.shift[rows]) + slack)
+
+
+@functools.cache
+def int8_products_exact() -> bool:
+    """Whether this CPU's int8 matrix product is exact on the codes' extremes (int16 pair sums
+    saturate on some CPUs without VNNI); if not, the first stage scans the float32 keys."""
+    pattern = torch.tensor([LEVELS, -LEVELS, LEVELS, LEVELS, -LEVELS, -LEVELS, 0, LEVELS])
+    rows = torch.stack([pattern.roll(shift) * sign for shift in range(8) for sign in (1, -1)])
+    rows = rows.repeat(1, 130).to(torch.int8)  # 16 rows of 1040: the queries' shape
+    keys = rows.repeat(256, 1)  # and 4096 keys, as a pass's
+    if torch.equal(torch._int_mm(keys, rows.T.contiguous()).long(),
+                   keys.long() @ rows.long().T):
+        return True
+    log.warning("this CPU's int8 matrix product is not exact: the first stage scans float32 keys")
+    return False
