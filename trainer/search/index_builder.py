@@ -5,6 +5,7 @@ in several processes, resumably, then write the index's files.
     defrag index --model DIR --shards URL --split val --out INDEX
     defrag index ... --task I --tasks N    (or in a SLURM array task, a torchrun rank)
     defrag index --merge --out INDEX       (once every task has run)
+    defrag index ... [--merge] --parts N   (INDEX/part-0 ... part-(N-1): a split index)
 
 The work is cut into units (256 files of a folder, or one shard); each finished unit is a
 part file in INDEX/parts/, so a rerun of the same command resumes from them (a file changed since
@@ -16,6 +17,12 @@ INDEX/files/ (a folder collection is served from its folder). The sentences are 
 Split into N tasks (defrag/tasks.py), task I embeds the units u with u % N = I and records the
 build in INDEX/parts/build.json; `--merge` then writes the index from the parts, as one process
 does after embedding them all (launch/README.md, "Index on SLURM or torchrun").
+
+With --parts N the merge writes N ordinary indexes instead of one, INDEX/part-0 ... part-(N-1),
+each of a consecutive slice of the images and of the sentences (its index.json's `split` records
+the slices' offsets), and INDEX/split.json listing them: each part is served by its own `defrag
+serve --index`, and a `defrag serve --parts URL,...` in front answers as the whole index would
+(trainer/search/split.py).
 """
 
 from __future__ import annotations
@@ -192,11 +199,12 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
           split: str = "val", manifest: str | None = None, sentences: Path | None = None,
           follow_links: bool = False, workers: int = 1, boxes: str | None = None,
           detector_weights: str | None = None, parser: str | None = None,
-          task: Task = WHOLE_JOB) -> dict[str, Any]:
+          task: Task = WHOLE_JOB, index_parts: int = 1) -> dict[str, Any]:
     """Embed `task`'s units of the folder `images`, or of the `split` of `shards`, with `model`
     into the index folder `out` (resuming from its parts/); then, when `task` is the whole job,
     write the index (else `merge` does, once every task has run); its summary. `sentences`: a
-    file of sentences to index instead of the shards' captions; the rest as the flags'."""
+    file of sentences to index instead of the shards' captions; `index_parts`: the index split
+    into that many (module doc); the rest as the flags'."""
     opened = ModelFolder.open(model)
     out = Path(out)
     if images:
@@ -235,7 +243,7 @@ def build(model: Path, out: Path, *, images: Path | None = None, shards: str | N
                  out)
         return {"index": str(out), "task": task.index, "tasks": task.count, "units": len(mine),
                 "embedded": len(todo)}
-    return _merge(out, record, embedder)
+    return _merge(out, record, embedder, index_parts)
 
 
 def _embed_units(mine: list[Unit], todo: list[Unit], workers: int, opened: ModelFolder,
@@ -260,10 +268,10 @@ def _embed_units(mine: list[Unit], todo: list[Unit], workers: int, opened: Model
                 bar.update(size)
 
 
-def merge(out: Path) -> dict[str, Any]:
+def merge(out: Path, index_parts: int = 1) -> dict[str, Any]:
     """Write the index of the build whose tasks embedded their units into out/parts/, with the
-    settings they recorded there (parts/build.json: --sentences parsed by their parser); its
-    summary."""
+    settings they recorded there (parts/build.json: --sentences parsed by their parser), split
+    into `index_parts` indexes (module doc); its summary."""
     stamp = Path(out) / "parts" / "build.json"
     if not stamp.is_file():
         raise RetrievalError(f"no task of a build has run in {out} (no parts/build.json): run "
@@ -275,10 +283,11 @@ def merge(out: Path) -> dict[str, Any]:
         raise IndexMismatch(f"{record['model']} has changed since the tasks embedded with it "
                             f"(checksums key {embedder.model_key[:16]}..., theirs "
                             f"{record['key']['model'][:16]}...): run the build again")
-    return _merge(Path(out), record, embedder)
+    return _merge(Path(out), record, embedder, index_parts)
 
 
-def _merge(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
+def _merge(out: Path, record: dict[str, Any], embedder: Embedder,
+           index_parts: int = 1) -> dict[str, Any]:
     """`_write_index` once every unit `record` lists is embedded; else one line naming the
     units missing and the tasks that own them."""
     tasks, missing, damaged = record["tasks"], {}, []
@@ -295,7 +304,7 @@ def _merge(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, A
                              f"{len(record['units'])} units are not embedded yet: {named}"
                              f"{''.join(f'; {fault}' for fault in damaged[:5])}: run those "
                              "tasks again (each skips the units it finished), then the merge")
-    return _write_index(out, record, embedder)
+    return _write_index(out, record, embedder, index_parts)
 
 
 def _images_in(folder: Path, follow_links: bool) -> tuple[list[Path], dict[str, str], list[str]]:
@@ -405,10 +414,12 @@ def _load_part(parts: Path, number: int, recorded: dict[str, Any],
     return load(data)
 
 
-def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[str, Any]:
-    """Merge the parts (in unit order) into the index files; index.json last, parts removed.
-    `record`: the build (parts/build.json), with the followed links out of the folder and their
-    targets (`links`) and a line for each link not followed (`skipped`)."""
+def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
+                 split: int = 1) -> dict[str, Any]:
+    """Merge the parts (in unit order) into the index files, or into `split` indexes of slices
+    (`_write_split`); index.json last, parts removed. `record`: the build (parts/build.json),
+    with the followed links out of the folder and their targets (`links`) and a line for each
+    link not followed (`skipped`)."""
     image_parts = [_no_images(embedder)]
     sentence_parts, problems, origins = [], list(record["skipped"]), []
     shard_of: dict[str, str] = {}
@@ -437,18 +448,68 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder) -> dict[
     else:
         sentences = FragmentSet.concat(sentence_parts) if sentence_parts else None
     score = embedder.cfg.objective.score
-    write_collection(out, "images", images, score)
-    if sentences is not None:
-        write_collection(out, "sentences", sentences, score)
     meta = {"format": INDEX_FORMAT, **record["key"], "model_dir": record["model"],
             "image_folder": record["image_folder"], "links": record["links"], "score": score,
             "images": images.items,
             "sentences": sentences.items if sentences is not None else [],
             "sentence_origins": origins, "problems": problems}
+    if split > 1:
+        return _write_split(out, meta, images, sentences, split)
+    write_collection(out, "images", images, score)
+    if sentences is not None:
+        write_collection(out, "sentences", sentences, score)
     write_atomically(out / "index.json", json.dumps(meta, ensure_ascii=False))
     shutil.rmtree(out / "parts")
     return {"index": str(out), "images": len(images.items),
             "sentences": len(meta["sentences"]), "problems": len(problems)}
+
+
+def _write_split(out: Path, meta: dict[str, Any], images: FragmentSet,
+                 sentences: FragmentSet | None, split: int) -> dict[str, Any]:
+    """out/part-0 ... part-(split - 1): each an ordinary index of the next slice of the images
+    and of the sentences, its index.json's `split` naming its slices' offsets; then
+    out/split.json listing them, all with the split's id (new at each merge: a front refuses
+    parts of two merges); parts/ removed."""
+    counts = {"images": len(images.items), "sentences": len(meta["sentences"])}
+    for side, count in counts.items():
+        if count and count < split:
+            raise RetrievalError(f"--parts {split} is more than the {count} {side} of the "
+                                 f"collection: give at most {count}")
+    key = uuid.uuid4().hex
+    listed = []
+    for number in range(split):
+        folder = out / f"part-{number}"
+        folder.mkdir(exist_ok=True)
+        (first, end), (s_first, s_end) = (
+            (count * number // split, count * (number + 1) // split) for count in counts.values())
+        names = set(meta["images"][first:end])
+        part = {**meta, "images": meta["images"][first:end],
+                "sentences": meta["sentences"][s_first:s_end],
+                "sentence_origins": meta["sentence_origins"][s_first:s_end],
+                "links": {name: target for name, target in meta["links"].items()
+                          if name in names},
+                "problems": [],  # the build's are in split.json
+                "split": {"id": key, "part": number, "parts": split, "images_from": first,
+                          "sentences_from": s_first}}
+        write_collection(folder, "images", _slice(images, first, end), meta["score"])
+        if sentences is not None:
+            write_collection(folder, "sentences", _slice(sentences, s_first, s_end),
+                             meta["score"])
+        write_atomically(folder / "index.json", json.dumps(part, ensure_ascii=False))
+        listed.append({"folder": folder.name, "images": [first, end],
+                       "sentences": [s_first, s_end]})
+    write_atomically(out / "split.json", json.dumps(
+        {"id": key, "parts": listed, **counts, "problems": meta["problems"]}))
+    shutil.rmtree(out / "parts")
+    return {"index": str(out), "parts": split, **counts, "problems": len(meta["problems"])}
+
+
+def _slice(fragments: FragmentSet, first: int, end: int) -> FragmentSet:
+    """Items first:end of `fragments` (their rows are consecutive)."""
+    start = [0, *fragments.counts.cumsum(0).tolist()]
+    rows = slice(start[first], start[end])
+    return FragmentSet(fragments.items[first:end], fragments.embeddings[rows],
+                       fragments.owner[rows] - first, fragments.detail[rows])
 
 
 def _repeated_names(meta: dict[str, Any], shard_of: dict[str, str]) -> list[str]:
@@ -508,7 +569,13 @@ def main(argv: list[str] | None = None) -> None:
     add_task_flags(parser)
     parser.add_argument("--merge", action="store_true",
                         help="write the index of a build split into tasks once every task has "
-                             "run, with the settings they recorded (give it only --out)")
+                             "run, with the settings they recorded (give it only --out and "
+                             "--parts)")
+    parser.add_argument("--parts", type=int, default=1, metavar="N",
+                        help="write the index as N indexes of consecutive slices of the images "
+                             "and sentences, INDEX/part-0 ... part-(N-1), and INDEX/split.json, "
+                             "each served by a defrag serve --index and fronted by a defrag "
+                             "serve --parts (default 1: one index)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.merge and any(getattr(args, name) not in (None, False) for name in BUILD_FLAGS):
@@ -523,13 +590,19 @@ def main(argv: list[str] | None = None) -> None:
         task = WHOLE_JOB if args.merge else task_from(args.task, args.tasks)
     except ValueError as err:
         parser.error(str(err))
+    if args.parts < 1:
+        parser.error(f"--parts must be >= 1, got {args.parts}")
+    if args.parts > 1 and task.count > 1:
+        parser.error("--parts is for the merge (or a build in one process): a task of --tasks "
+                     "N only embeds its units")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     with one_line_errors(parser.prog, args.debug):
-        summary = merge(args.out) if args.merge else build(
+        summary = merge(args.out, args.parts) if args.merge else build(
             args.model, args.out, images=args.images, shards=args.shards,
             split=args.split or "val", manifest=args.manifest, sentences=args.sentences,
             follow_links=args.follow_links, workers=args.workers, boxes=args.boxes,
-            detector_weights=args.detector_weights, parser=args.parser, task=task)
+            detector_weights=args.detector_weights, parser=args.parser, task=task,
+            index_parts=args.parts)
     print(json.dumps(summary))
 
 

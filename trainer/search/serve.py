@@ -4,6 +4,8 @@ photo collection: sentence -> images, image (indexed or uploaded) -> sentences, 
     defrag serve --index INDEX [--model DIR] [--host 127.0.0.1] [--port 8000]
                             [--workers CPUS] [--threads CPUS/WORKERS] [--max-upload-mb 10]
                             [--max-image-pixels 40000000] [--upload-slots 1]
+    defrag serve --parts URL0,URL1,... [--part-timeout 2] [--host ...] [--port ...]
+                            [--max-upload-mb 10] [--upload-slots 1]
 
 Then open http://127.0.0.1:8000/ (the page), or see docs/search-app.md for the API and
 /openapi.json for its schema. The page is plain HTML, JS and CSS from trainer/search/static:
@@ -21,6 +23,11 @@ once; an upload runs in one of the worker's --upload-slots, taken before its bod
 (UploadSlots). SearchIndex serialises its parser itself; the model only runs forward passes in
 eval mode, which torch allows from several threads, so no lock is taken here. Every bad input
 answers a 4xx with {"error": "one line"} (a busy server 503) and the server goes on.
+
+--parts serves a split index (defrag index --parts N) instead: each URL a `defrag serve --index
+INDEX/part-P`, in part order; this process answers the same API by asking them all
+(trainer/search/split.py). For it each part also answers /api/fragments (an indexed image's
+rows, sent to the parts that do not hold it).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 import faiss
+import numpy as np
 import torch
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -51,6 +59,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
@@ -59,6 +68,7 @@ from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
 from trainer.search.certificate import Hit, Ranking
 from trainer.search.embedder import ImageTooLargeError, RetrievalError
+from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import MAX_QUERY_CHARS, SearchIndex
 
 log = logging.getLogger(__name__)
@@ -66,6 +76,7 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 MIB = 2**20
 MAX_K = 100  # results one request may ask for
+MAX_FRAGMENTS = 1000  # rows of the image POST /api/fragments/sentences searches with
 MAX_DEFAULT_WORKERS = 8  # a large node's CPUs go to threads beyond this, not to more copies
 UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x this x one upload
 UPLOAD_WAIT_SECONDS = 10.0  # an upload waits this long for a slot, its body unread, then 503
@@ -73,6 +84,7 @@ UPLOAD_READ_SECONDS = 60.0  # a slot's upload must arrive within this, then 408 
 RETRY_AFTER_SECONDS = 5  # what a 503 for a busy server tells the client to wait
 SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
 LOG_FORMAT = "%(levelname)s %(message)s"
+PART_TIMEOUT = 2.0  # seconds the front of a split index waits for each part's answer
 
 
 class ErrorBody(BaseModel):
@@ -115,6 +127,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UP
     _add_searches(app, index, max_upload_bytes)
     _add_upload_search(app, index, max_upload_bytes, slots)
     _add_explain(app, index)
+    _add_fragments(app, index, max_upload_bytes)
     _add_files(app, index)
     return app
 
@@ -159,7 +172,8 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
         return {"model": str(index.model_dir), "model_key": index.embedder.model_key,
                 "images": len(index.image_names), "sentences": len(index.sentences),
                 "max_query_chars": MAX_QUERY_CHARS, "max_upload_bytes": max_upload_bytes,
-                "max_k": MAX_K, "max_image_pixels": index.embedder.max_image_pixels}
+                "max_k": MAX_K, "max_image_pixels": index.embedder.max_image_pixels,
+                **({"split": index.meta["split"]} if "split" in index.meta else {})}
 
     @app.get("/api/search", summary="Sentence -> best images", responses=_errors(400, 422),
              description="The k indexed images that best match the sentence `q`, best first, "
@@ -241,21 +255,22 @@ def too_big(limit: int) -> HTTPException:
                               "smaller image")
 
 
+def refuse_by_headers(request: Request, max_upload_bytes: int) -> None:
+    """415 unless the body is image/*, 413 for a Content-Length over the limit: before an
+    upload waits for a slot."""
+    kind = request.headers.get("content-type", "")
+    if not kind.startswith("image/"):
+        got = f"got {kind!r}" if kind else "got none"
+        raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
+                                 f"image/jpeg, image/png or image/webp ({got})")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_upload_bytes:
+        raise too_big(max_upload_bytes)
+
+
 def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
                        slots: UploadSlots) -> None:
     """POST /api/sentences: an uploaded image -> sentences, in one of the upload `slots`."""
-
-    def refuse_by_headers(request: Request) -> None:
-        """415 unless the body is image/*, 413 for a Content-Length over the limit: before the
-        upload waits for a slot."""
-        kind = request.headers.get("content-type", "")
-        if not kind.startswith("image/"):
-            got = f"got {kind!r}" if kind else "got none"
-            raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
-                                     f"image/jpeg, image/png or image/webp ({got})")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_upload_bytes:
-            raise too_big(max_upload_bytes)
 
     @app.post("/api/sentences", summary="Uploaded image -> best sentences",
               responses=_errors(400, 408, 413, 415, 422, 503),
@@ -270,7 +285,7 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
             request: Request,
             k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
     ) -> dict[str, Any]:
-        refuse_by_headers(request)
+        refuse_by_headers(request, max_upload_bytes)
         async with slots.taken():
             body = await slots.body(request, max_upload_bytes)
             found = await slots.run(sentences_for_bytes, index, body, k)
@@ -317,6 +332,61 @@ def _add_explain(app: FastAPI, index: SearchIndex) -> None:
         if format == "json":
             return JSONResponse(details)
         return Response(png, media_type="image/png")
+
+
+def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> None:
+    """An indexed image's fragments, and the sentences of the index for an image's fragments:
+    what the front of a split index (trainer/search/split.py) sends from the part that holds an
+    image to the others, so that each scores the rows the one-part index would (the front's
+    requests, left out of /openapi.json; docs/search-app.md lists them)."""
+
+    @app.get("/api/fragments", summary="An indexed image's fragments",
+             responses=_errors(400, 422), include_in_schema=False,
+             description="The fragment embeddings of the indexed image `image` as the index "
+                         "stores them (float32 rows): what POST /api/fragments/sentences takes.")
+    def fragments(image: str = Query(description="an indexed image's file name")
+                  ) -> dict[str, Any]:
+        rows = index.images.select([index.position_of(image)]).embeddings
+        return {"image": image, "fragments": rows.tolist()}
+
+    @app.post("/api/fragments/sentences", summary="Fragments -> best sentences",
+              responses=_errors(400, 413, 422), include_in_schema=False,
+              description="The k sentences of the index that best describe the image whose "
+                          'fragments the JSON body gives: {"fragments": [[...], ...]}, 1 to '
+                          f"{MAX_FRAGMENTS} rows of the model's dimension (as GET "
+                          "/api/fragments answers them).",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": {"type": "object"}}}}})
+    async def sentences_for_fragments(
+            request: Request,
+            k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
+    ) -> dict[str, Any]:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_upload_bytes:
+                raise too_big(max_upload_bytes)
+        rows = fragment_rows(bytes(body), index.images.rows.shape[1])
+        query = FragmentSet(["image"], rows, torch.zeros(len(rows), dtype=torch.long),
+                            torch.zeros(len(rows), 4))
+        found = await run_in_threadpool(index.sentences_for_rows, query, k)
+        return {"image": None, **found.proof(), "results": sentence_results(found.hits)}
+
+
+def fragment_rows(body: bytes, dims: int) -> torch.Tensor:
+    """The rows of a {"fragments": [[...], ...]} body: 1 to MAX_FRAGMENTS finite rows of `dims`
+    numbers, as float32; else 400 saying what is wrong."""
+    wanted = (f'send {{"fragments": [[...], ...]}}: 1 to {MAX_FRAGMENTS} rows of {dims} '
+              "numbers")
+    try:
+        rows = np.asarray(json.loads(body)["fragments"], np.float32)
+    except (ValueError, TypeError, KeyError) as err:
+        raise HTTPException(400, f"{wanted} ({describe(err)})") from None
+    if rows.ndim != 2 or rows.shape[1] != dims or not 1 <= len(rows) <= MAX_FRAGMENTS:
+        raise HTTPException(400, f"{wanted} (got the shape {list(rows.shape)})")
+    if not np.isfinite(rows).all():
+        raise HTTPException(400, f"{wanted} (got a number that is not finite)")
+    return torch.from_numpy(rows)
 
 
 def _add_files(app: FastAPI, index: SearchIndex) -> None:
@@ -400,18 +470,26 @@ def available_cpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`defrag serve --index INDEX`: open the index, then serve until interrupted."""
+    """`defrag serve --index INDEX`: open the index, then serve until interrupted; or
+    `--parts URL,...`: the front of a split index (trainer/search/split.py)."""
     cpus = available_cpus()
     parser = argparse.ArgumentParser(prog="defrag serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--index", required=True, type=Path,
-                        help="a search index folder (defrag index)")
+    served = parser.add_mutually_exclusive_group(required=True)
+    served.add_argument("--index", type=Path, help="a search index folder (defrag index)")
+    served.add_argument("--parts", help="the base URLs of the parts of a split index, in part "
+                                        "order, separated by commas: each a defrag serve "
+                                        "--index INDEX/part-P (defrag index --parts N)")
+    parser.add_argument("--part-timeout", type=float, default=PART_TIMEOUT,
+                        help=f"with --parts: seconds each part's answer is waited for, then the "
+                             f"answer goes without it, \"exact\": false and the part named in "
+                             f"\"missing_parts\" (default {PART_TIMEOUT:g})")
     parser.add_argument("--model", type=Path,
                         help="model folder (default: the one that built the index)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=min(cpus, MAX_DEFAULT_WORKERS),
+    parser.add_argument("--workers", type=int,
                         help=f"worker processes, each with the index open and its own model and "
                              f"parser, ~0.5 GiB each plus the model (default: the CPUs this "
                              f"process may run on, at most {MAX_DEFAULT_WORKERS}: "
@@ -429,6 +507,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"grows by about workers x this x 8 bytes x --max-image-pixels")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
+    if args.parts:
+        serve_front(parser, args)
+        return
+    args.workers = min(cpus, MAX_DEFAULT_WORKERS) if args.workers is None else args.workers
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.threads is not None and args.threads < 1:
@@ -453,6 +535,30 @@ def main(argv: list[str] | None = None) -> None:
     else:
         del index  # each worker opens its own
         serve_in_workers(settings, args.host, args.port, args.workers)
+
+
+def serve_front(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`defrag serve --parts URL,...`: check that the parts make one split index, in order, then
+    serve its front in this process until interrupted."""
+    from trainer.search.split import PartClient  # it builds on this module
+
+    given = [flag for flag, value in (("--model", args.model), ("--workers", args.workers),
+                                      ("--threads", args.threads)) if value is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: for --index (a front opens no index: one process "
+                     "asks the parts)")
+    if args.part_timeout <= 0:
+        parser.error(f"--part-timeout must be > 0, got {args.part_timeout}")
+    if args.max_upload_mb <= 0 or args.upload_slots < 1:
+        parser.error("--max-upload-mb must be > 0 and --upload-slots >= 1")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a part
+    with one_line_errors(parser.prog, args.debug):
+        parts = PartClient.connect(args.parts.split(","), args.part_timeout)
+        app = parts.app(int(args.max_upload_mb * MIB), args.upload_slots)
+    log.info("serving the %d parts of a split index (%d images, %d sentences): %s",
+             len(parts.parts), parts.total("images"), parts.total("sentences"), args.parts)
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 def serve_in_workers(settings: WorkerSettings, host: str, port: int, workers: int) -> None:

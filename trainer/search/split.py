@@ -1,0 +1,360 @@
+"""The front of a split index (`defrag index --parts N`: INDEX/part-0 ... part-(N-1), each an
+ordinary index of a consecutive slice of the images and of the sentences): the search web app's
+JSON API (trainer/search/serve.py) answered by asking every part, each a plain `defrag serve
+--index INDEX/part-P`, at once, and merging their answers as the one-part index ranks.
+
+The top k is the best k of the parts' top k by score, equal scores in part order and then in
+each part's order: the one-part index's, whose ties go in index order, of which the parts are
+consecutive slices. It is certified ("exact") when every part answered and each part's is. A
+part that fails or does not answer within the timeout is left out: the answer holds the other
+parts' results, "exact": false and "missing_parts" naming it, and the front logs one WARNING
+line; the part's error text is never passed on (a part's refusal of a bad input, 4xx, is).
+
+An indexed image's sentences: the part that holds it sends its fragments (GET /api/fragments),
+which every part searches with (POST /api/fragments/sentences); an uploaded image is sent to
+every part; /images and /api/explain go to the image's part. The front keeps the parts' /api/info,
+one connection pool, and the part of the last OWNERS image names it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+import httpx
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
+
+from defrag.cli import describe
+from trainer.search.serve import (
+    MAX_K,
+    STATIC,
+    UPLOAD_READ_SECONDS,
+    UPLOAD_WAIT_SECONDS,
+    UploadSlots,
+    _answer_errors_in_one_line,
+    image_url,
+    refuse_by_headers,
+)
+
+log = logging.getLogger(__name__)
+
+OWNERS = 4096  # image names whose part the front remembers (the most recently seen)
+CONNECTIONS = 8  # the pool's connections per part (4 kept alive between requests)
+STARTUP_WAIT = 60.0  # seconds the front waits for a part that is still starting
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the split: its number, base URL and /api/info."""
+
+    number: int
+    url: str
+    info: dict[str, Any]
+
+
+@dataclass
+class Answer:
+    """What a part answered (its status, and JSON or bytes), or why it did not (`error`)."""
+
+    part: Part
+    status: int = 0  # 0: no answer
+    body: Any = None
+    media: str = ""
+    error: str = ""  # why the part is missing from the merged answer; '' when it answered
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def refused(self) -> bool:
+        """A 4xx with the API's {"error": line}: the input is bad (every part says so)."""
+        return 400 <= self.status < 500 and isinstance(self.body, dict) and "error" in self.body
+
+
+class PartClient:
+    """The parts of a split index, asked concurrently, each within `timeout` seconds."""
+
+    def __init__(self, parts: list[Part], timeout: float) -> None:
+        self.parts, self.timeout = parts, timeout
+        self.owners: OrderedDict[str, int] = OrderedDict()  # image name -> part, last seen last
+        self.client: httpx.AsyncClient | None = None  # made in the app's event loop
+
+    @classmethod
+    def connect(cls, urls: list[str], timeout: float, wait: float = STARTUP_WAIT) -> PartClient:
+        """Each part's /api/info (a part still starting is waited for `wait` seconds);
+        ValueError unless they are all the parts of one split, in part order."""
+        parts = [Part(number, url.strip().rstrip("/"), _info(url.strip().rstrip("/"), wait))
+                 for number, url in enumerate(urls)]
+        keys = {part.info["model_key"] for part in parts}
+        if len(keys) > 1:
+            raise ValueError(f"the parts were indexed with {len(keys)} different models: serve "
+                             "the parts of one defrag index --parts")
+        splits = [part.info.get("split", {"id": None, "part": 0, "parts": 1}) for part in parts]
+        for part, split in zip(parts, splits, strict=True):
+            if (split["part"], split["parts"]) != (part.number, len(parts)):
+                raise ValueError(f"{part.url} serves part {split['part']} of {split['parts']}, "
+                                 f"not part {part.number} of the {len(parts)} given: list the "
+                                 "URLs of every part of the split, in part order")
+        if len({split["id"] for split in splits}) > 1:
+            raise ValueError("the parts come from different merges (their split ids differ): "
+                             "serve the parts of one defrag index --parts")
+        return cls(parts, timeout)
+
+    def total(self, key: str) -> int:
+        return sum(part.info[key] for part in self.parts)
+
+    async def ask(self, part: Part, method: str, path: str, **request: Any) -> Answer:
+        """One request to one part, answered within the timeout or counted as missing."""
+        assert self.client is not None
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self.client.request(method, part.url + path, **request)
+        except (TimeoutError, httpx.TimeoutException):
+            return Answer(part, error=f"timed out after {self.timeout:g} s")
+        except httpx.TransportError as err:
+            return Answer(part, error=f"failed: {describe(err)}")
+        media = response.headers.get("content-type", "")
+        body: Any = response.content
+        if media.startswith("application/json"):
+            try:
+                body = response.json()
+            except ValueError:
+                return Answer(part, response.status_code, error="answered damaged JSON")
+        answer = Answer(part, response.status_code, body, media)
+        if answer.refused:
+            answer.error = f"answered {answer.status}: {body['error']}"
+        elif not 200 <= answer.status < 300:
+            answer.error = f"answered HTTP {answer.status}"  # its text may name its disk
+        return answer
+
+    async def ask_all(self, method: str, path: str, **request: Any) -> list[Answer]:
+        """The same request to every part at once; their answers in part order."""
+        return list(await asyncio.gather(*(self.ask(part, method, path, **request)
+                                           for part in self.parts)))
+
+    async def first_ok(self, parts: list[Part], path: str,
+                       params: dict[str, str]) -> tuple[Answer | None, list[Answer]]:
+        """GET `path` of `parts` at once: the first answer that is not an error (the others
+        are then cancelled), or None; and the answers heard."""
+        tasks = [asyncio.create_task(self.ask(part, "GET", path, params=params))
+                 for part in parts]
+        heard = []
+        try:
+            for next_one in asyncio.as_completed(tasks):
+                heard.append(await next_one)
+                if heard[-1].ok:
+                    return heard[-1], heard
+            return None, heard
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def refusal(self, answers: list[Answer], asked: str) -> HTTPException:
+        """Why no part gave a result: the parts' refusal of the input when every part refused
+        it (the one-part answer), else 503 naming the parts that did not answer."""
+        if all(answer.refused for answer in answers):
+            first = min(answers, key=lambda answer: answer.part.number)
+            return HTTPException(first.status, first.body["error"])
+        failed = sorted((answer for answer in answers if not answer.refused),
+                        key=lambda answer: answer.part.number)
+        self.report(failed, asked)
+        return HTTPException(503, f"{len(failed)} of {len(self.parts)} parts of the split "
+                                  "index did not answer: " + "; ".join(
+                                      f"part {a.part.number} ({a.part.url}) {a.error}"
+                                      for a in failed))
+
+    def report(self, missing: list[Answer], asked: str) -> list[dict[str, Any]]:
+        """"missing_parts" of an answer, and one WARNING line when there are any."""
+        if missing:
+            log.warning("%s answered without %s", asked, "; ".join(
+                f"part {a.part.number} ({a.part.url}): {a.error}" for a in missing))
+        return [{"part": a.part.number, "url": a.part.url, "error": a.error} for a in missing]
+
+    def merged(self, answers: list[Answer], k: int,
+               asked: str) -> tuple[dict[str, Any], list[tuple[dict[str, Any], int]]]:
+        """The best k of the parts' results, each with its part (see the module doc), and
+        their proof: exact when every part answered an exact top k; `gap`, the highest bound
+        an inexact part left minus the k-th score; "missing_parts"."""
+        answered = [answer for answer in answers if answer.ok]
+        if not answered:
+            raise self.refusal(answers, asked)
+        missing = [answer for answer in answers if not answer.ok]
+        hits = sorted(((hit, answer.part.number) for answer in answered
+                       for hit in answer.body["results"]),
+                      key=lambda pair: -pair[0]["score"])[:k]  # stable: ties in part order
+        exact = not missing and all(answer.body["exact"] for answer in answered)
+        left = max((answer.body["gap"] + answer.body["results"][-1]["score"]
+                    for answer in answered if not answer.body["exact"]
+                    and answer.body["results"]), default=float("-inf"))
+        low = hits[-1][0]["score"] if hits else 0.0
+        return {"exact": exact, "gap": 0.0 if exact else max(left - low, 0.0),
+                "scored": sum(answer.body["scored"] for answer in answered),
+                "missing_parts": self.report(missing, asked)}, hits
+
+    def remember(self, name: str, number: int) -> None:
+        self.owners[name] = number
+        self.owners.move_to_end(name)
+        while len(self.owners) > OWNERS:
+            self.owners.popitem(last=False)
+
+    async def fragments_of(self, name: str) -> tuple[Part, list[list[float]]]:
+        """The part that holds the indexed image `name` and its fragments: asked of the part
+        remembered for it, else of every part; HTTPException when none can say (`refusal`)."""
+        known = self.owners.get(name)
+        found, heard = await self.first_ok(self.parts if known is None else [self.parts[known]],
+                                           "/api/fragments", {"image": name})
+        if found is None:
+            raise self.refusal(heard, "/api/fragments")
+        self.remember(name, found.part.number)
+        return found.part, found.body["fragments"]
+
+    async def at_owner(self, name: str, path: str, params: dict[str, str]) -> Response:
+        """GET `path` of the part that holds the indexed image `name`, its answer passed on."""
+        part, _ = await self.fragments_of(name)
+        answer = await self.ask(part, "GET", path, params=params)
+        if answer.ok:
+            return (Response(answer.body, media_type=answer.media)
+                    if isinstance(answer.body, bytes) else JSONResponse(answer.body))
+        raise self.refusal([answer], path)
+
+    def app(self, max_upload_bytes: int, upload_slots: int) -> FastAPI:
+        """The web app of the front: serve.py's page and API over the parts."""
+        slots = UploadSlots(upload_slots, UPLOAD_WAIT_SECONDS, UPLOAD_READ_SECONDS)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            """The connection pool, in the server's event loop, closed when it stops."""
+            self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(
+                max_connections=CONNECTIONS * len(self.parts),
+                max_keepalive_connections=CONNECTIONS // 2 * len(self.parts)))
+            async with self.client:
+                yield
+            slots.threads.shutdown(wait=True, cancel_futures=True)
+
+        app = FastAPI(title="DeFrag search (a split index)", version="1", docs_url=None,
+                      redoc_url=None, lifespan=lifespan,
+                      description="The search API of an index split into parts, answered by "
+                                  "asking each part (trainer/search/split.py).")
+        _answer_errors_in_one_line(app)
+        self._add_searches(app)
+        self._add_upload_search(app, max_upload_bytes, slots)
+        self._add_at_owner(app)
+
+        @app.get("/api/info", summary="The split index, its parts and its model")
+        def info() -> dict[str, Any]:
+            first = self.parts[0].info
+            return {"model": first["model"], "model_key": first["model_key"],
+                    "images": self.total("images"), "sentences": self.total("sentences"),
+                    "max_query_chars": first["max_query_chars"],
+                    "max_upload_bytes": max_upload_bytes, "max_k": MAX_K,
+                    "max_image_pixels": first["max_image_pixels"],
+                    "parts": [{"part": part.number, "url": part.url,
+                               "images": part.info["images"],
+                               "sentences": part.info["sentences"]} for part in self.parts]}
+        return app
+
+    def _add_searches(self, app: FastAPI) -> None:
+        """/api/search and /api/sentences?image=: every part asked, the answers merged."""
+
+        @app.get("/api/search", summary="Sentence -> best images (every part)")
+        async def search(q: str = Query(description="the sentence to search for"),
+                         k: int = Query(10, ge=1, le=MAX_K, description="how many images")
+                         ) -> dict[str, Any]:
+            proof, hits = self.merged(await self.ask_all(
+                "GET", "/api/search", params={"q": q, "k": k}), k, "/api/search")
+            for hit, number in hits:
+                self.remember(hit["image"], number)
+            return {"query": q, **proof, "results": [
+                {"rank": rank, "image": hit["image"], "score": hit["score"],
+                 "url": image_url(hit["image"])} for rank, (hit, _) in enumerate(hits, 1)]}
+
+        @app.get("/api/sentences", summary="Indexed image -> best sentences (every part)")
+        async def sentences_for_image(
+                image: str = Query(description="an indexed image's file name"),
+                k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
+        ) -> dict[str, Any]:
+            _, rows = await self.fragments_of(image)
+            proof, hits = self.merged(await self.ask_all(
+                "POST", "/api/fragments/sentences", params={"k": k}, json={"fragments": rows}),
+                k, "/api/sentences")
+            return {"image": image, "url": image_url(image), **proof,
+                    "results": sentences(hits)}
+
+    def _add_upload_search(self, app: FastAPI, max_upload_bytes: int,
+                           slots: UploadSlots) -> None:
+        """POST /api/sentences: the upload read in one of the `slots`, then sent to every
+        part (each embeds it), the answers merged."""
+
+        @app.post("/api/sentences", summary="Uploaded image -> best sentences (every part)")
+        async def sentences_for_upload(
+                request: Request,
+                k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
+        ) -> dict[str, Any]:
+            refuse_by_headers(request, max_upload_bytes)
+            async with slots.taken():
+                body = bytes(await slots.body(request, max_upload_bytes))
+                answers = await self.ask_all(
+                    "POST", "/api/sentences", params={"k": k}, content=body,
+                    headers={"content-type": request.headers["content-type"]})
+            proof, hits = self.merged(answers, k, "POST /api/sentences")
+            return {"image": None, "bytes": len(body), **proof, "results": sentences(hits)}
+
+    def _add_at_owner(self, app: FastAPI) -> None:
+        """/api/explain and /images/NAME from the image's part; the page."""
+
+        @app.get("/api/explain", summary="Why an image matches a sentence (its part's)")
+        async def explain(q: str = Query(description="the sentence"),
+                          image: str = Query(description="an indexed image's file name"),
+                          format: Literal["png", "json"] = Query("png")) -> Response:
+            return await self.at_owner(image, "/api/explain",
+                                       {"q": q, "image": image, "format": format})
+
+        @app.get("/images/{name}", summary="An indexed image file (its part's)")
+        async def image_file(name: str) -> Response:
+            try:
+                return await self.at_owner(name, f"/images/{quote(name, safe='')}", {})
+            except HTTPException as err:  # an unknown name: 404, as the one-part index
+                raise HTTPException(404 if err.status_code == 400 else err.status_code,
+                                    err.detail) from err
+
+        @app.get("/", include_in_schema=False)
+        def page() -> FileResponse:
+            return FileResponse(STATIC / "index.html")
+
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+
+def sentences(hits: list[tuple[dict[str, Any], int]]) -> list[dict[str, Any]]:
+    return [{"rank": rank, "sentence": hit["sentence"], "score": hit["score"]}
+            for rank, (hit, _) in enumerate(hits, 1)]
+
+
+def _info(url: str, wait: float) -> dict[str, Any]:
+    """A part's /api/info, asked again for `wait` seconds while it refuses connections
+    (starting); ValueError naming the URL when it does not answer one."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            response = httpx.get(f"{url}/api/info", timeout=10.0)
+            response.raise_for_status()
+            return response.json()
+        except httpx.ConnectError as err:
+            if time.monotonic() > deadline:
+                raise ValueError(f"part {url} did not answer within {wait:g} s: "
+                                 f"{describe(err)}") from err
+            time.sleep(0.5)
+        except (httpx.HTTPError, ValueError) as err:
+            raise ValueError(f"{url}/api/info did not answer a search index's info: "
+                             f"{describe(err)}") from err
