@@ -32,6 +32,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 import trainer.search.index_builder
 import trainer.search.serve as serve
+import trainer.search.web as web
 from defrag.files import CHECKSUMS
 from tests import DEFRAG
 from tests.search_world import SearchWorld, search_world, serving
@@ -303,7 +304,7 @@ def test_an_upload_beyond_the_slots_is_not_read(world: SearchWorld, index: Searc
             pool.map(stalled, [base, base]), key=lambda answer: answer[0], reverse=True)
         whole = requests.post(f"{base}/api/sentences", data=photo,
                               headers={"Content-Type": "image/png"})
-    assert (busy, busy_headers["retry-after"]) == (503, str(serve.RETRY_AFTER_SECONDS))
+    assert (busy, busy_headers["retry-after"]) == (503, str(web.RETRY_AFTER_SECONDS))
     assert waited < 0.9 < read and (slow, slow_headers["connection"]) == (408, "close")
     assert whole.status_code == 200
 

@@ -33,7 +33,6 @@ rows, sent to the parts that do not hold it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -44,18 +43,15 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote
 
 import faiss
 import numpy as np
 import torch
 import uvicorn
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
@@ -67,21 +63,27 @@ from uvicorn.supervisors import Multiprocess
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
 from trainer.search.certificate import Hit, Ranking
-from trainer.search.embedder import ImageTooLargeError, RetrievalError
+from trainer.search.embedder import RetrievalError
 from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import MAX_QUERY_CHARS, SearchIndex
+from trainer.search.web import (
+    MAX_K,
+    MIB,
+    STATIC,
+    UPLOAD_READ_SECONDS,
+    UPLOAD_SLOTS,
+    UPLOAD_WAIT_SECONDS,
+    UploadSlots,
+    answer_errors_in_one_line,
+    image_url,
+    refuse_by_headers,
+    too_big,
+)
 
 log = logging.getLogger(__name__)
 
-STATIC = Path(__file__).parent / "static"
-MIB = 2**20
-MAX_K = 100  # results one request may ask for
 MAX_FRAGMENTS = 1000  # rows of the image POST /api/fragments/sentences searches with
 MAX_DEFAULT_WORKERS = 8  # a large node's CPUs go to threads beyond this, not to more copies
-UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x this x one upload
-UPLOAD_WAIT_SECONDS = 10.0  # an upload waits this long for a slot, its body unread, then 503
-UPLOAD_READ_SECONDS = 60.0  # a slot's upload must arrive within this, then 408 (a slow sender)
-RETRY_AFTER_SECONDS = 5  # what a 503 for a busy server tells the client to wait
 SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
 LOG_FORMAT = "%(levelname)s %(message)s"
 PART_TIMEOUT = 2.0  # seconds the front of a split index waits for each part's answer
@@ -123,42 +125,13 @@ def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UP
         description="Search a photo collection with sentences, and sentences with photos, using "
                     "a Deep Fragment Embeddings model (Karpathy et al., NIPS 2014). Errors "
                     "answer {\"error\": message}.")
-    _answer_errors_in_one_line(app)
+    answer_errors_in_one_line(app)
     _add_searches(app, index, max_upload_bytes)
     _add_upload_search(app, index, max_upload_bytes, slots)
     _add_explain(app, index)
     _add_fragments(app, index, max_upload_bytes)
     _add_files(app, index)
     return app
-
-
-def _answer_errors_in_one_line(app: FastAPI) -> None:
-    """Every failure answers {"error": one line}: a bad input 400, a too large image 413, the
-    HTTP errors and bad parameters their own status, a bug 500."""
-
-    @app.exception_handler(RetrievalError)
-    async def bad_input(request: Request, err: RetrievalError) -> JSONResponse:
-        return JSONResponse({"error": describe(err)}, status_code=400)
-
-    @app.exception_handler(ImageTooLargeError)
-    async def too_many_pixels(request: Request, err: ImageTooLargeError) -> JSONResponse:
-        return JSONResponse({"error": describe(err)}, status_code=413)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code,
-                            headers=err.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_parameter(request: Request, err: RequestValidationError) -> JSONResponse:
-        problems = ("{}: {}".format(".".join(str(part) for part in e["loc"][1:]) or e["loc"][0],
-                                    e["msg"]) for e in err.errors())
-        return JSONResponse({"error": "; ".join(problems)}, status_code=422)
-
-    @app.exception_handler(Exception)
-    async def failure(request: Request, err: Exception) -> JSONResponse:
-        """A bug: one line for the page; uvicorn logs the traceback."""
-        return JSONResponse({"error": f"internal error: {describe(err)}"}, status_code=500)
 
 
 def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> None:
@@ -197,75 +170,6 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
         found = index.sentences_for_image(image, k)
         return {"image": image, "url": image_url(image), **found.proof(),
                 "results": sentence_results(found.hits)}
-
-
-class UploadSlots:
-    """At most `count` uploads of a worker read and embedded at once. A slot is taken before an
-    upload's body is read, so an upload waiting for one holds no more of its body than uvicorn's
-    buffer of a connection, whatever the number of clients. A slot is waited for `wait` seconds
-    at most (then 503 with Retry-After), its body must arrive within `read` seconds (then 408: a
-    slow sender does not keep it), and its image is embedded by the slot's own thread (so that
-    the memory the allocator keeps after a decode is kept by those few threads only)."""
-
-    def __init__(self, count: int, wait: float, read: float) -> None:
-        self.count, self.wait, self.read = count, wait, read
-        self.free = asyncio.Semaphore(count)
-        self.threads = ThreadPoolExecutor(count, thread_name_prefix="upload")
-
-    @contextlib.asynccontextmanager
-    async def taken(self) -> AsyncIterator[None]:
-        """A slot, held while the request reads and embeds its upload; 503 if none frees."""
-        try:
-            async with asyncio.timeout(self.wait):
-                await self.free.acquire()
-        except TimeoutError:
-            raise HTTPException(503, f"the server is busy with other uploads ({self.count} at a "
-                                     "time): send it again in a few seconds",
-                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        try:
-            yield
-        finally:
-            self.free.release()
-
-    async def body(self, request: Request, limit: int) -> bytearray:
-        """The upload's bytes, read no further than `limit` (413) and within `read` seconds
-        (408, and the connection is closed)."""
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.read):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > limit:
-                        raise too_big(limit)
-        except TimeoutError:
-            raise HTTPException(408, f"the upload did not arrive within {self.read:g} s: send it "
-                                     "again over a faster connection",
-                                headers={"Connection": "close"}) from None
-        if not body:
-            raise HTTPException(400, "the upload is empty: send an image file's bytes")
-        return body
-
-    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
-        """`function(*args)` in a slot's thread."""
-        return await asyncio.wrap_future(self.threads.submit(function, *args))
-
-
-def too_big(limit: int) -> HTTPException:
-    return HTTPException(413, f"the upload is over the limit of {limit / MIB:g} MiB: send a "
-                              "smaller image")
-
-
-def refuse_by_headers(request: Request, max_upload_bytes: int) -> None:
-    """415 unless the body is image/*, 413 for a Content-Length over the limit: before an
-    upload waits for a slot."""
-    kind = request.headers.get("content-type", "")
-    if not kind.startswith("image/"):
-        got = f"got {kind!r}" if kind else "got none"
-        raise HTTPException(415, "send the image file's bytes as the body with Content-Type "
-                                 f"image/jpeg, image/png or image/webp ({got})")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_upload_bytes:
-        raise too_big(max_upload_bytes)
 
 
 def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
@@ -408,10 +312,6 @@ def _add_files(app: FastAPI, index: SearchIndex) -> None:
         return FileResponse(path)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-
-def image_url(name: str) -> str:
-    return f"/images/{quote(name, safe='')}"
 
 
 def sentence_results(hits: list[Hit]) -> list[dict[str, Any]]:

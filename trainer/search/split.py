@@ -35,13 +35,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from defrag.cli import describe
-from trainer.search.serve import (
+from trainer.search.web import (
     MAX_K,
     STATIC,
     UPLOAD_READ_SECONDS,
     UPLOAD_WAIT_SECONDS,
     UploadSlots,
-    _answer_errors_in_one_line,
+    answer_errors_in_one_line,
     image_url,
     refuse_by_headers,
 )
@@ -247,7 +247,7 @@ class PartClient:
                       redoc_url=None, lifespan=lifespan,
                       description="The search API of an index split into parts, answered by "
                                   "asking each part (trainer/search/split.py).")
-        _answer_errors_in_one_line(app)
+        answer_errors_in_one_line(app)
         self._add_searches(app)
         self._add_upload_search(app, max_upload_bytes, slots)
         self._add_at_owner(app)
