@@ -333,6 +333,28 @@ def test_an_upload_is_read_no_further_than_the_limit(url: str) -> None:
     assert requests.get(f"{url}/api/info").status_code == 200
 
 
+def test_fragments_sent_to_a_part_are_bounded(url: str) -> None:
+    """POST /api/fragments/sentences (what a split index's front sends a part): a body read no
+    further than the upload limit, then rows of the model's dimension only, else one line."""
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    connection.putrequest("POST", "/api/fragments/sentences")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Transfer-Encoding", "chunked")
+    connection.endheaders()
+    chunk = b"[" * 8192  # never a whole JSON document
+    for _ in range(UPLOAD_LIMIT // len(chunk) + 1):
+        connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    response = connection.getresponse()
+    assert response.status == 413 and "over the limit" in response.read().decode()
+    connection.close()
+    for body in (b"{}", b'{"fragments": [[1, 2]]}', b'{"fragments": [[NaN]]}', b"not json"):
+        status, answer = raw(url, "POST", "/api/fragments/sentences", body,
+                             {"Content-Type": "application/json"})
+        assert status == 400 and json.loads(answer)["error"].startswith(
+            'send {"fragments": [[...], ...]}: 1 to 1000 rows of'), (body, answer)
+
+
 @pytest.mark.parametrize("path", [
     "/images/..%2F..%2Fetc%2Fpasswd", "/images/../x", "/images/..", "/images/%2e%2e",
     "/images/%2Fetc%2Fpasswd", "/images//etc/passwd", "/images/nope.png", "/images/",

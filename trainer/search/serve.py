@@ -76,8 +76,8 @@ from trainer.search.web import (
     UploadSlots,
     answer_errors_in_one_line,
     image_url,
+    read_body,
     refuse_by_headers,
-    too_big,
 )
 
 log = logging.getLogger(__name__)
@@ -265,11 +265,7 @@ def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> N
             request: Request,
             k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
     ) -> dict[str, Any]:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_upload_bytes:
-                raise too_big(max_upload_bytes)
+        body = await read_body(request, max_upload_bytes, UPLOAD_READ_SECONDS)
         rows = fragment_rows(bytes(body), index.images.rows.shape[1])
         query = FragmentSet(["image"], rows, torch.zeros(len(rows), dtype=torch.long),
                             torch.zeros(len(rows), 4))

@@ -89,17 +89,7 @@ class UploadSlots:
     async def body(self, request: Request, limit: int) -> bytearray:
         """The upload's bytes, read no further than `limit` (413) and within `read` seconds
         (408, and the connection is closed)."""
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.read):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > limit:
-                        raise too_big(limit)
-        except TimeoutError:
-            raise HTTPException(408, f"the upload did not arrive within {self.read:g} s: send it "
-                                     "again over a faster connection",
-                                headers={"Connection": "close"}) from None
+        body = await read_body(request, limit, self.read)
         if not body:
             raise HTTPException(400, "the upload is empty: send an image file's bytes")
         return body
@@ -107,6 +97,23 @@ class UploadSlots:
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
         """`function(*args)` in a slot's thread."""
         return await asyncio.wrap_future(self.threads.submit(function, *args))
+
+
+async def read_body(request: Request, limit: int, seconds: float) -> bytearray:
+    """A request's body, read no further than `limit` bytes (413) and within `seconds` (408,
+    and the connection is closed: a slow sender does not keep the server's attention)."""
+    body = bytearray()
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big(limit)
+    except TimeoutError:
+        raise HTTPException(408, f"the upload did not arrive within {seconds:g} s: send it "
+                                 "again over a faster connection",
+                            headers={"Connection": "close"}) from None
+    return body
 
 
 def too_big(limit: int) -> HTTPException:
