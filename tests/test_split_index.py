@@ -27,6 +27,7 @@ import requests
 
 import trainer.search.index_builder as index_builder
 import trainer.search.serve as serve
+from defrag.urls import redact
 from tests import DEFRAG
 from tests.cluster import free_port
 from tests.search_world import SearchWorld, search_world, serving
@@ -36,6 +37,7 @@ from trainer.search.split import PartClient
 
 PARTS = 2
 TIMEOUT = 3.0  # the front's --part-timeout
+SECRET = "hunter2"  # the password in the last part's URL
 FIRST, LAST = "0-twin.png", "zz-twin.png"  # copies of the query's image, in parts 0 and 1
 
 
@@ -86,7 +88,9 @@ def served(world: SearchWorld, tmp_path_factory: pytest.TempPathFactory) -> Iter
                                 "--tasks", "2"])
         index_builder.main(["--merge", "--out", str(root / "split"), "--parts", str(PARTS)])
     ports = [free_port() for _ in range(PARTS + 1)]
-    urls = [f"http://127.0.0.1:{port}" for port in ports[:PARTS]]
+    # the last part's URL with a password (a part behind a proxy's basic auth): never shown
+    urls = [f"http://{f'front:{SECRET}@' if p == PARTS - 1 else ''}127.0.0.1:{port}"
+            for p, port in enumerate(ports[:PARTS])]
     parts = [subprocess.Popen([DEFRAG, "serve", "--index", str(root / "split" / f"part-{p}"),
                                "--port", str(ports[p]), "--workers", "1", "--threads", "1"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -155,7 +159,8 @@ def test_the_split_is_two_ordinary_indexes_of_consecutive_slices(served: Served)
     assert [len(texts) for texts in served.sentences] == [21, 21]
     info = ask(served.front, "/api/info").json()
     assert (info["images"], info["sentences"]) == (10, 42)
-    assert [part["url"] for part in info["parts"]] == served.urls
+    assert [part["url"] for part in info["parts"]] == [redact(url) for url in served.urls]
+    assert SECRET not in json.dumps(info) and "front:***@" in info["parts"][-1]["url"]
     assert part_of(served, FIRST) == {0} and part_of(served, LAST) == {1}
     own = served.world.captions[served.world.expected][0]
     assert [part_of(served, text) for text in (f"{own} .", own, f"{own} ,")] == [{0}, {1}, {1}]
@@ -273,18 +278,20 @@ def test_a_hung_part_is_named_after_the_timeout_and_the_others_answer(served: Se
     finally:
         hung.send_signal(signal.SIGCONT)
     assert all(TIMEOUT <= t < TIMEOUT + 2 for t in (took, took_first, took_last))
-    missing = [{"part": 1, "url": served.urls[1], "error": f"timed out after {TIMEOUT:g} s"}]
+    shown = redact(served.urls[1])  # its password masked
+    missing = [{"part": 1, "url": shown, "error": f"timed out after {TIMEOUT:g} s"}]
     for answer, params in ((search.json(), {"q": world.query}), (first.json(), {"image": FIRST})):
         assert (answer["exact"], answer["missing_parts"]) == (False, missing)
         path = "/api/search" if "q" in params else "/api/sentences"
         assert answer["results"] == without(served, 1, path, params, 5)
     assert (last.status_code, last.json()) == (503, {"error": (
-        f"1 of 2 parts of the split index did not answer: part 1 ({served.urls[1]}) timed out "
+        f"1 of 2 parts of the split index did not answer: part 1 ({shown}) timed out "
         f"after {TIMEOUT:g} s")})
     warnings = [line for line in served.front_log.read_text().splitlines()
                 if line.startswith("WARNING ")]
     assert len(warnings) == 3
-    assert all(f"part 1 ({served.urls[1]}): timed out" in line for line in warnings)
+    assert all(f"part 1 ({shown}): timed out" in line for line in warnings)
+    assert SECRET not in served.front_log.read_text()
     front, whole = both(served, "/api/search", params={"q": world.query, "k": 5})
     assert front == whole  # answered again
 

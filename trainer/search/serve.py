@@ -62,6 +62,7 @@ from uvicorn.supervisors import Multiprocess
 
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
+from defrag.urls import redact
 from trainer.search.certificate import Hit, Ranking
 from trainer.search.embedder import RetrievalError
 from trainer.search.fragment_set import FragmentSet
@@ -453,7 +454,7 @@ def serve_front(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parts = PartClient.connect(args.parts.split(","), args.part_timeout)
         app = parts.app(int(args.max_upload_mb * MIB), args.upload_slots)
     log.info("serving the %d parts of a split index (%d images, %d sentences): %s",
-             len(parts.parts), parts.total("images"), parts.total("sentences"), args.parts)
+             len(parts.parts), parts.total("images"), parts.total("sentences"), redact(args.parts))
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -35,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from defrag.cli import describe
+from defrag.urls import redact
 from trainer.search.web import (
     MAX_K,
     STATIC,
@@ -60,6 +61,11 @@ class Part:
     number: int
     url: str
     info: dict[str, Any]
+
+    @property
+    def shown(self) -> str:
+        """The URL as logs and answers show it: a password in it masked."""
+        return redact(self.url)
 
 
 @dataclass
@@ -103,7 +109,7 @@ class PartClient:
         splits = [part.info.get("split", {"id": None, "part": 0, "parts": 1}) for part in parts]
         for part, split in zip(parts, splits, strict=True):
             if (split["part"], split["parts"]) != (part.number, len(parts)):
-                raise ValueError(f"{part.url} serves part {split['part']} of {split['parts']}, "
+                raise ValueError(f"{part.shown} serves part {split['part']} of {split['parts']}, "
                                  f"not part {part.number} of the {len(parts)} given: list the "
                                  "URLs of every part of the split, in part order")
         if len({split["id"] for split in splits}) > 1:
@@ -172,15 +178,15 @@ class PartClient:
         self.report(failed, asked)
         return HTTPException(503, f"{len(failed)} of {len(self.parts)} parts of the split "
                                   "index did not answer: " + "; ".join(
-                                      f"part {a.part.number} ({a.part.url}) {a.error}"
+                                      f"part {a.part.number} ({a.part.shown}) {a.error}"
                                       for a in failed))
 
     def report(self, missing: list[Answer], asked: str) -> list[dict[str, Any]]:
         """"missing_parts" of an answer, and one WARNING line when there are any."""
         if missing:
             log.warning("%s answered without %s", asked, "; ".join(
-                f"part {a.part.number} ({a.part.url}): {a.error}" for a in missing))
-        return [{"part": a.part.number, "url": a.part.url, "error": a.error} for a in missing]
+                f"part {a.part.number} ({a.part.shown}): {a.error}" for a in missing))
+        return [{"part": a.part.number, "url": a.part.shown, "error": a.error} for a in missing]
 
     def merged(self, answers: list[Answer], k: int,
                asked: str) -> tuple[dict[str, Any], list[tuple[dict[str, Any], int]]]:
@@ -260,7 +266,7 @@ class PartClient:
                     "max_query_chars": first["max_query_chars"],
                     "max_upload_bytes": max_upload_bytes, "max_k": MAX_K,
                     "max_image_pixels": first["max_image_pixels"],
-                    "parts": [{"part": part.number, "url": part.url,
+                    "parts": [{"part": part.number, "url": part.shown,
                                "images": part.info["images"],
                                "sentences": part.info["sentences"]} for part in self.parts]}
         return app
@@ -352,9 +358,9 @@ def _info(url: str, wait: float) -> dict[str, Any]:
             return response.json()
         except httpx.ConnectError as err:
             if time.monotonic() > deadline:
-                raise ValueError(f"part {url} did not answer within {wait:g} s: "
+                raise ValueError(f"part {redact(url)} did not answer within {wait:g} s: "
                                  f"{describe(err)}") from err
             time.sleep(0.5)
         except (httpx.HTTPError, ValueError) as err:
-            raise ValueError(f"{url}/api/info did not answer a search index's info: "
+            raise ValueError(f"{redact(url)}/api/info did not answer a search index's info: "
                              f"{describe(err)}") from err
