@@ -23,7 +23,7 @@ import trainer.search.certificate as certificate
 import trainer.search.index as index
 from tests.search_world import SearchWorld, search_world
 from trainer.batch import owners
-from trainer.search.certificate import Retrieved, item_bounds
+from trainer.search.certificate import Candidates, Retrieved, item_bounds
 from trainer.search.fragment_set import FragmentSet, rank
 
 ITEMS, DIM, SMOOTH, TOP = 600, 48, 5.0, 10
@@ -59,6 +59,13 @@ def collection(tmp_path: Path, score: str, image_side: bool) -> index.Collection
                               (lambda n: 1 / n) if image_side else (lambda n: 1 / (n + SMOOTH)))
     opened.key_candidates, opened.probe = 12, 2
     return opened
+
+
+def through_an_ivf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Collections of 500 keys or more get an IVF first stage, searched (as where int8
+    products are not exact) instead of their int8 keys."""
+    monkeypatch.setattr(index, "IVF_FROM", 500)
+    monkeypatch.setattr(index, "int8_products_exact", lambda: False)
 
 
 def answered(found: Retrieved, keys: np.ndarray, count: int) -> np.ndarray:
@@ -117,15 +124,23 @@ def bounds_hold(opened: index.Collection, keys: np.ndarray, query: FragmentSet,
     assert np.all(dropped <= found.unseen), (found.unseen - dropped).min()
     m = len(query.embeddings)
     weight, reach = opened.reach(1 / (m + smooth) if image_side else 1 / m)
-    items, bounds, outside = item_bounds(found, opened.score == "eq6", opened.counts, weight,
-                                         reach)
-    assert np.all(scores[items] <= bounds), (bounds - scores[items]).min()
-    rest = np.delete(scores, items)
-    assert np.all(rest <= outside), outside - rest.max()
+    items = items_hold(item_bounds(found, opened.score == "eq6", opened.counts, weight, reach),
+                       scores)
+    items_hold(opened.candidates(query, weight, reach)(*asked), scores)  # what search takes
     left = dropped > -np.inf  # rows with a key not returned
     return {"pair": float(np.min(found.upper - exact, initial=np.inf)),
             "unseen": float(np.min(found.unseen[left] - dropped[left], initial=np.inf)),
-            "rest": float(outside - rest.max()) if len(rest) else np.inf}
+            "rest": items["rest"]}
+
+
+def items_hold(found: Candidates, scores: np.ndarray) -> dict[str, float]:
+    """Each of a first stage's items scores at most its bound, every other item at most the
+    bound on the rest (`scores`: every item's, by definition). Returns how tight each was."""
+    assert np.all(scores[found.items] <= found.bounds), (found.bounds - scores[found.items]).min()
+    rest = np.delete(scores, found.items)
+    assert np.all(rest <= found.outside), found.outside - rest.max()
+    return {"item": float(np.min(found.bounds - scores[found.items], initial=np.inf)),
+            "rest": float(found.outside - rest.max()) if len(rest) else np.inf}
 
 
 def exact_keys(fragments: FragmentSet, score: str) -> np.ndarray:
@@ -184,7 +199,10 @@ def test_certified_results_are_the_exact_scans(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(index, "IVF_FROM", ivf_from)
     monkeypatch.setattr(index, "SQ8_FROM", sq8_from)
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", dims)
+    if ivf_from < ITEMS:
+        through_an_ivf(monkeypatch)
     opened = collection(tmp_path, score, image_side)
+    assert (opened.compact is None) == (ivf_from < ITEMS)
     wrong, certified, scored = disagreements(opened, score, image_side, budget_s=None,
                                              check_bounds=True)
     assert wrong == [] and certified == 24  # no budget: widened until certified
@@ -198,7 +216,7 @@ def test_small_first_batches_leave_the_bounds_to_decide(tmp_path: Path,
     the bounds hardly decide when to stop; of 1, 5 or 10 items (k = 1, 3, 10: a first batch
     is at least k), over an IVF of 46 of 48 directions, they do, and every answer is still
     the exact scan's."""
-    monkeypatch.setattr(index, "IVF_FROM", 500)
+    through_an_ivf(monkeypatch)
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 46)
     opened = collection(tmp_path, "eq6", True)
     queries = fragments(25, 4, seed=2, side=-1.0)
@@ -218,8 +236,7 @@ def test_small_first_batches_leave_the_bounds_to_decide(tmp_path: Path,
 
 def test_a_spent_budget_returns_uncertified_results_with_their_gap(tmp_path: Path) -> None:
     """budget 0: the first round only. Some queries are certified (and exact), others not."""
-    opened = collection(tmp_path, "eq6", True)
-    opened.key_candidates = 100
+    opened = collection(tmp_path, "eq6", True)  # 12 items first (int8 keys): 19 certified
     wrong, certified, _ = disagreements(opened, "eq6", True, budget_s=0.0)
     assert wrong == [] and 0 < certified < 24
 
@@ -232,19 +249,13 @@ def test_a_first_stage_that_ignores_the_query_is_caught(tmp_path: Path,
     wrong, certified, _ = disagreements(opened, "eq6", True, budget_s=0.0)  # one round
     assert wrong == [] and certified >= 22
     other = fragments(2, 1, seed=7, side=-1.0).select([1])
-    first_stage = index.Collection.first_stage
+    candidates = index.Collection.candidates
 
-    def ignores_the_query(self: index.Collection, query: FragmentSet) -> Callable:
-        search, rows = first_stage(self, other), len(query.embeddings)
+    def ignores_the_query(self: index.Collection, query: FragmentSet, weight: Callable,
+                          reach: float) -> Callable:
+        return candidates(self, other, weight, reach)
 
-        def answer(keys: int, probe: int) -> Retrieved:
-            found = search(keys, probe)
-            return Retrieved(found.items, found.rows % rows, found.upper,
-                             np.resize(found.unseen, rows), found.keys, found.complete,
-                             found.key)
-        return answer
-
-    monkeypatch.setattr(index.Collection, "first_stage", ignores_the_query)
+    monkeypatch.setattr(index.Collection, "candidates", ignores_the_query)
     wrong, certified, _ = disagreements(opened, "eq6", True, budget_s=0.0)
     assert wrong or certified < 22, "a first stage ignoring the query went unnoticed"
 
@@ -262,7 +273,7 @@ def test_widening_reaches_everything_and_then_scans(tmp_path: Path) -> None:
 
 def test_an_ivf_with_empty_lists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """600 items on 4 distinct rows: most of the IVF's 48 lists stay empty, and are bounded."""
-    monkeypatch.setattr(index, "IVF_FROM", 500)
+    through_an_ivf(monkeypatch)
     rows = fragments(5, 1, seed=3, side=1.0).embeddings
     items = FragmentSet([f"item-{k}" for k in range(ITEMS)], rows[torch.arange(ITEMS) % len(rows)],
                         owners([1] * ITEMS), torch.zeros(ITEMS, 4))
@@ -281,7 +292,7 @@ def test_ivf_searches_at_once_and_every_list(tmp_path: Path,
     sets the index's nprobe), each answer the exact scan's; asked for every list, the first
     stage searches every one (the lists come from the stored centres, not the HNSW quantizer,
     which may miss some) and returns every key."""
-    monkeypatch.setattr(index, "IVF_FROM", 500)
+    through_an_ivf(monkeypatch)
     opened = collection(tmp_path, "eq6", True)
     queries = fragments(25, 4, seed=2, side=-1.0)
     asked = [queries.select([q]) for q in range(25) if queries.counts[q]] * 3
@@ -312,7 +323,7 @@ def test_rows_built_to_meet_each_bound(tmp_path: Path, monkeypatch: pytest.Monke
     tie with copies the first stage leaves out. Each bound (a returned pair's, a row's
     `unseen`, the items') is then met within rounding: cut any bound, or leave a residual term
     out, and it is broken."""
-    monkeypatch.setattr(index, "IVF_FROM", 500)
+    through_an_ivf(monkeypatch)
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 2)
     items = FragmentSet([f"item-{k}" for k in range(ITEMS)], SPREAD[torch.arange(ITEMS) % 4],
                         owners([1] * ITEMS), torch.zeros(ITEMS, 4))
@@ -346,7 +357,7 @@ def test_the_certificate_holds_only_above_every_bound(tmp_path: Path,
     item scoring 3.5 (bound 4.5) and 49 at 3.8 and bounds the rest by 4.3, so 3.5 is within 20%
     of the bound while the items left out score 4.2. Only a certificate that needs the k-th
     score above every bound widens and finds them."""
-    monkeypatch.setattr(index, "IVF_FROM", 500)
+    through_an_ivf(monkeypatch)
     monkeypatch.setattr(index, "FIRST_STAGE_DIMS", 2)
     rows = certificate_rows()
     items = FragmentSet([f"item-{k}" for k in range(len(rows))], rows, owners([1] * len(rows)),

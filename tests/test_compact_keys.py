@@ -23,7 +23,13 @@ from safetensors.torch import load_file, save_file
 
 import trainer.search.index as index
 from tests.search_world import SearchWorld, search_world
-from tests.test_certified_search import bounds_hold, every_key
+from tests.test_certified_search import (
+    bounds_hold,
+    definition_scores,
+    every_key,
+    exact_keys,
+    items_hold,
+)
 from trainer.batch import owners
 from trainer.search.compact_keys import LEVELS, int8_products_exact
 from trainer.search.embedder import RetrievalError
@@ -102,6 +108,30 @@ def queries(side: index.Collection) -> list[FragmentSet]:
             for rows in made]
 
 
+def int8_bounds_hold(side: index.Collection, keys: np.ndarray, query: FragmentSet,
+                     image_side: bool, asked: int) -> dict[str, float]:
+    """The int8 first stage's bounds against their definitions, nothing rescored (`keys`: every
+    key, float64): each pair's bound (its key's own E_k, N_k) >= the exact product; each key's
+    bound from the pass (y + beta_j, the largest E_k and N_k) >= its share of the score, eq. 6's
+    sum_j max(0, k . q_j), else k . q; the items `candidates` returns for `asked` score at most
+    their bounds, the others at most the bound on the rest. Returns how tight each was (on the
+    keys with a positive share: the others' shares are 0 whatever their products)."""
+    scan = side.compact.scan(torch.from_numpy(exact_keys(query, side.score)))
+    products, scores = definition_scores(side, keys, query, image_side, SMOOTH)
+    pairs = side.compact.pair_bounds(scan, np.arange(len(keys)))
+    assert np.all(pairs >= products), (pairs - products).min()
+    eq6 = side.score == "eq6"
+    shares = np.maximum(products, 0).sum(0) if eq6 else products[0]
+    bound = side.compact.key_bounds(scan, eq6)
+    assert np.all(bound >= shares), (bound - shares).min()
+    m = len(query.embeddings)
+    weight, reach = side.reach(1 / (m + SMOOTH) if image_side else 1 / m)
+    items = items_hold(side.candidates(query, weight, reach)(asked, 1), scores)
+    positive = shares > 0
+    return {"pair": float((pairs - products).min()),
+            "key": float(np.min((bound - shares)[positive], initial=np.inf)), **items}
+
+
 def test_this_cpus_int8_product_is_exact() -> None:
     """The pass's integer products are exact here (else the float32 keys are scanned)."""
     assert int8_products_exact()
@@ -126,8 +156,8 @@ def test_the_bounds_hold_on_adversarial_rows(tmp_path: Path, score: str,
         assert np.all(side.compact.error[110:140] >= 0.9 * np.sqrt(DIM - 1) * step / 2)
     keys = every_key(side)
     for query in queries(side):
-        for asked in (3, 30, len(keys)):  # all keys: every pair's bound is checked
-            bounds_hold(side, keys, query, image_side, SMOOTH, (asked, 1))
+        for asked in (3, 30, len(side.items)):  # all: every item's bound is checked
+            int8_bounds_hold(side, keys, query, image_side, asked)
         found = index.search(side, query, TOP, image_side, SMOOTH, score, budget_s=None)
         truth = index.search(side, query, TOP, image_side, SMOOTH, score, exact_scan=True)
         assert found.exact and found.hits == truth.hits
@@ -146,8 +176,8 @@ def test_exactly_coded_rows_meet_the_scaling_term(tmp_path: Path) -> None:
         rows = 127 * sigma * pattern.float()
         query = FragmentSet(["query"], rows, owners([3]), torch.zeros(3, 3))
         size = float(np.abs(keys @ rows.double().numpy().T).max())
-        margins = bounds_hold(side, keys, query, True, SMOOTH, (5, 1))
-        assert margins["pair"] < 1e-6 * size and margins["unseen"] < 1e-6 * size, margins
+        margins = int8_bounds_hold(side, keys, query, True, 5)
+        assert margins["pair"] < 1e-6 * size and margins["key"] < 1e-6 * size, margins
 
 
 def test_a_rows_unseen_takes_the_worst_key(tmp_path: Path) -> None:
@@ -170,8 +200,8 @@ def test_a_rows_unseen_takes_the_worst_key(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         side = opened(tmp_path / name, torch.cat([rows, -rows]), "eq6", 1)
         query = FragmentSet(["query"], row[None], owners([1]), torch.zeros(1, 3))
-        margins = bounds_hold(side, every_key(side), query, True, SMOOTH, (3, 1))
-        assert margins["unseen"] < 1e-3 * float(side.compact.most_norm * row.norm()), margins
+        margins = int8_bounds_hold(side, every_key(side), query, True, 3)
+        assert margins["key"] < 1e-3 * float(side.compact.most_norm * row.norm()), margins
 
 
 def without_int8_keys(folder: Path, stem: str) -> None:

@@ -63,9 +63,20 @@ class Retrieved:
     key: np.ndarray  # int64 [P]: the key of each pair (what `upper` bounds the product of)
 
 
+@dataclass
+class Candidates:
+    """What a first stage rules in: items with an upper bound on each one's score, and the bound
+    on every other item's score (`outside`)."""
+
+    items: np.ndarray  # int64: the items' positions
+    bounds: np.ndarray  # float64: >= each one's score
+    outside: float  # >= the score of every item not in `items`; -inf: none left
+    keys: int  # first-stage keys (or items) searched per query row
+    complete: bool  # nothing more to widen
+
+
 def item_bounds(found: Retrieved, eq6: bool, counts: np.ndarray,
-                weight: Callable[[np.ndarray], np.ndarray],
-                reach: float) -> tuple[np.ndarray, np.ndarray, float]:
+                weight: Callable[[np.ndarray], np.ndarray], reach: float) -> Candidates:
     """The items with a retrieved pair, an upper bound on each one's score, and the bound on
     every other item's score. eq. 6: an item of n rows with weight w(n) (its normalisation
     times the query's) scores at most w(n) [sum over its retrieved pairs of max(0, upper) +
@@ -73,14 +84,14 @@ def item_bounds(found: Retrieved, eq6: bool, counts: np.ndarray,
     item, one query row) the pair's bound is the item's."""
     if not eq6:
         unseen = float(found.unseen[0]) if len(found.unseen) else -np.inf
-        return found.items, found.upper, unseen
+        return Candidates(found.items, found.upper, unseen, found.keys, found.complete)
     open_ = np.maximum(found.unseen, 0.0)  # -inf (no key unseen) counts 0
     items, inverse = np.unique(found.items, return_inverse=True)
     extra = np.bincount(inverse, np.maximum(found.upper, 0.0) - open_[found.rows],
                         minlength=len(items))
     n = counts[items].astype(np.float64)
     bounds = weight(n) * (extra + n * open_.sum())
-    return items, bounds, reach * float(open_.sum())
+    return Candidates(items, bounds, reach * float(open_.sum()), found.keys, found.complete)
 
 
 class Scores:
@@ -121,10 +132,9 @@ class Scores:
                        len(positions), keys)
 
 
-def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np.ndarray],
-                    np.ndarray], items: list[str], k: int, *, eq6: bool, counts: np.ndarray,
-                    weight: Callable[[np.ndarray], np.ndarray], reach: float, keys: int,
-                    probe: int, budget_s: float | None) -> Ranking:
+def certified_top_k(search: Callable[[int, int], Candidates], score: Callable[[np.ndarray],
+                    np.ndarray], items: list[str], k: int, *, keys: int, probe: int,
+                    budget_s: float | None) -> Ranking:
     """The top k of `items` by `score` (exact scores of sorted positions), certified.
     `search(keys, probe)` is the first stage; it is widened WIDEN-fold while the bound on the
     items it did not retrieve is above what the k-th item can score, until the certificate
@@ -139,9 +149,8 @@ def certified_top_k(search: Callable[[int, int], Retrieved], score: Callable[[np
         started = time.monotonic()
         found = search(keys, probe)
         took = time.monotonic() - started  # the next round searches WIDEN times as much
-        candidates, bounds, outside = item_bounds(found, eq6, counts, weight, reach)
-        order = np.argsort(-bounds, kind="stable")
-        candidates, bounds = candidates[order], bounds[order]
+        order = np.argsort(-found.bounds, kind="stable")
+        candidates, bounds, outside = found.items[order], found.bounds[order], found.outside
         last = found.complete or (deadline is not None
                                   and time.monotonic() + WIDEN * took > deadline)
         possible = bounds[k - 1] if len(bounds) >= k else -np.inf  # the k-th can score at most

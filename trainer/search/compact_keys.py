@@ -17,11 +17,20 @@ underflow), and y = fl(y1 + y2). As |y1| + |y2| <= (1 + 2u) |y| + 2 |y2| and
 PASS_ROUNDING |y| + 2.5 SCALING N_k (E_q1 + E_q2) (+ 3 TINY). C = fl64(c . q) is within
 d 2^-52 |c| |q| of c . q. Hence the pair bound, with E_q' = E_q + 2.5 SCALING (E_q1 + E_q),
     k . q <= y + C + PASS_ROUNDING |y| + E_k Q + N_k E_q' + d 2^-52 |c| Q + 3 TINY,
-plus MARGIN of the terms' size for the float64 arithmetic of the bound itself. A key that a query
-row's first stage did not return has y <= y_last, the row's last returned; the bound grows with
-y, E_k and N_k, so the row's `unseen` is the bound at y_last with the largest E_k and N_k.
-The second pass costs one more int8 product and takes the query's rounding (~0.8% of |q|, as
-large as the key's) out of the bound: fewer first stages widen.
+plus MARGIN of the terms' size for the float64 arithmetic of the bound itself. Both passes are
+one integer product (the query's two codes side by side); the second takes the query's rounding
+(~0.8% of |q|, as large as the key's) out of the bound.
+
+Every key bounded in one pass (`key_bounds`). The bound minus y grows with |y|, E_k and N_k, and
+|y| <= (1 + 2^-20) N_max (|t1 b1| + |t2 b2|) =: Y (Cauchy-Schwarz on each pass, then the
+roundings); so y + beta_j bounds k . q_j for every key, beta_j the bound at Y with the largest E_k
+and N_k, minus Y, rounded up to float32. Eq. 6's share of a key, sum_j max(0, k . q_j), is then
+at most sum_j max(0, y_j + beta_j), which float32 computes as Z: each term rounded once (relative
+u), m terms summed in any order (relative gamma_(m-1)), and a subnormal flushed to zero loses
+at most 2^-126 an operation, so the share is at most Z (1 + 2 (m + 1) u) + 2 (m + 1) 2^-126.
+An item's bound is w(n) times its keys' (float64, widened by MARGIN); the items with the highest
+are tightened with each key's own E_k and N_k (`pair_bounds`), and the highest left bounds the
+rest: no key goes unbounded, so no row's `unseen` is needed.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ PASS_ROUNDING = 6 * UNIT  # >= u + SCALING (1 + 2u): the two passes' sum (module
 MARGIN = 2**-30  # relative: the float64 arithmetic of codes' errors and bounds (2^-53 an op)
 TINY = 2**-100  # absolute: a float32 underflow of the scaled products (2^-149 a rounding)
 BLOCK = 1 << 13  # keys encoded at a time (float64 copies)
+SCAN_BLOCK = 1 << 14  # keys a pass scans at a time (its products stay in the cache)
+SMALLEST = 2**-126  # float32's least normal: what a flushed subnormal loses
 
 
 def round_up(x: np.ndarray) -> np.ndarray:
@@ -80,7 +91,7 @@ def compact_keys(keys: Callable[[slice], torch.Tensor], total: int,
 
 
 class CompactKeys:
-    """The compact keys of an opened index (`int8_codes` memory-mapped) and their one pass."""
+    """The compact keys of an opened index (`int8_codes` memory-mapped) and their pass."""
 
     def __init__(self, arrays: dict[str, np.ndarray], center: torch.Tensor) -> None:
         with warnings.catch_warnings():  # a read-only memory map, which nothing writes
@@ -97,34 +108,66 @@ class CompactKeys:
         return len(self.codes)
 
     def scan(self, exact: torch.Tensor) -> Scan:
-        """Every product of the query rows (float64 [m, d], the model's) with every key: two
-        int8 passes, over the rows' codes and over the codes of what those leave out, so that
-        the query's own rounding all but leaves the bound (module doc)."""
+        """The query rows (float64 [m, d], the model's) coded twice: their codes, and the codes
+        of what those leave out, so that the query's own rounding all but leaves the bound."""
         first = encode(exact)
         second = encode(exact - first["scale"].double()[:, None] * first["codes"].double())
-        products = self._pass(first).add_(self._pass(second))  # y = fl(y1 + y2)
         size = torch.linalg.vector_norm(exact, dim=1).numpy() * (1 + MARGIN)
         center = float(torch.linalg.vector_norm(self.center)) * (1 + MARGIN)
         left = second["error"].numpy().astype(np.float64)
         error = left + 2.5 * SCALING * (first["error"].numpy() + left)  # E_q2, and |y2|'s share
-        return Scan(products.T.contiguous(), (exact @ self.center).numpy(), size, error,
+        return Scan(first, second, (exact @ self.center).numpy(), size, error,
                     len(self.center) * 2**-52 * center * size)
 
-    def _pass(self, query: dict[str, torch.Tensor]) -> torch.Tensor:
-        """fl(fl(fl(a . b) t) s) [N, m] of every key's codes a with the coded rows' b."""
-        if not len(self):
-            return torch.zeros(0, len(query["codes"]))
-        products = torch._int_mm(self.codes, query["codes"].T.contiguous())
-        return products.float().mul_(query["scale"]).mul_(self.scale[:, None])
+    def key_bounds(self, scan: Scan, positive: bool) -> np.ndarray:
+        """float64 [N]: for every key, a bound on sum_j max(0, k . q_j) over the query rows
+        (`positive`: eq. 6's share of the key), else on k . q of the one query row, from one
+        pass over the keys: y + beta_j bounds every pair of row j, beta_j the pair bound's
+        slack at the largest |y| with the largest E_k and N_k (it grows with each)."""
+        rows = np.arange(len(scan.size))
+        most = (1 + 2**-20) * self.most_norm * scan.coded_norm + TINY  # >= |y| (module doc)
+        beta = torch.from_numpy(round_up(scan.bound(most, rows, self.most_error,
+                                                    self.most_norm) - most))
+        bounds = np.empty(len(self))
+        for begin in range(0, len(self), SCAN_BLOCK):
+            block = slice(begin, begin + SCAN_BLOCK)
+            y = scan.products(self.codes[block], self.scale[block]).add_(beta)  # [Nb, m]
+            if positive:  # float32 terms and sum: within (m + 1) 2u of the sum (module doc)
+                summed = y.clamp_(min=0).sum(dim=1).double().numpy()
+                bounds[block] = (summed * (1 + 2 * (len(rows) + 1) * UNIT)
+                                 + 2 * (len(rows) + 1) * SMALLEST)
+            else:  # y + beta rounded once
+                value = y[:, 0].double().numpy()
+                bounds[block] = value + 2 * UNIT * np.abs(value) + SMALLEST
+        return bounds
+
+    def pair_bounds(self, scan: Scan, keys: np.ndarray) -> np.ndarray:
+        """float64 [m, len(keys)]: the bound on k . q_j of each query row and each of `keys`,
+        from its own E_k and N_k (module doc)."""
+        y = scan.products(self.codes[keys], self.scale[keys]).T.double().numpy()
+        return scan.bound(y, np.arange(len(y))[:, None], self.error[keys], self.norm[keys])
 
 
 class Scan:
-    """One query's pass: `products` y [m, N] (float32) and what bounds k . q from y."""
+    """One query's rows coded twice (`encode`s), their pass over keys, and what bounds k . q
+    from a pass product y."""
 
-    def __init__(self, products: torch.Tensor, shift: np.ndarray, size: np.ndarray,
-                 error: np.ndarray, shift_error: np.ndarray) -> None:
-        self.products = products
+    def __init__(self, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor],
+                 shift: np.ndarray, size: np.ndarray, error: np.ndarray,
+                 shift_error: np.ndarray) -> None:
+        self.codes = torch.cat([first["codes"], second["codes"]]).T.contiguous()  # [d, 2m]
+        self.scales = torch.cat([first["scale"], second["scale"]])
+        self.coded_norm = (first["norm"] + second["norm"]).double().numpy()  # >= |t1 b1| + |t2 b2|
         self.shift, self.size, self.error, self.shift_error = shift, size, error, shift_error
+
+    def products(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """y = fl(y1 + y2) [K, m] of keys' codes a (int8 [K, d]) and scales s [K], each pass
+        yi = fl(fl(fl(a . bi) ti) s) (a . bi exact in int32; both passes in one product)."""
+        m = len(self.scales) // 2
+        if not len(codes):
+            return torch.zeros(0, m)
+        y = torch._int_mm(codes, self.codes).float().mul_(self.scales).mul_(scale[:, None])
+        return y[:, :m].add_(y[:, m:])
 
     def bound(self, y: np.ndarray, rows: np.ndarray, key_error: np.ndarray | float,
               key_norm: np.ndarray | float) -> np.ndarray:

@@ -49,10 +49,19 @@ from tqdm import tqdm
 from defrag.images import DECODER_VERSION, MAX_IMAGE_PIXELS
 from trainer.batch import owners
 from trainer.objectives import owner_means
-from trainer.search.certificate import Ranking, Retrieved, certified_top_k, full_scan
+from trainer.search.certificate import (
+    Candidates,
+    Ranking,
+    Retrieved,
+    certified_top_k,
+    full_scan,
+    item_bounds,
+)
 from trainer.search.compact_keys import (
+    MARGIN,
     MOST_DIMS,
     CompactKeys,
+    Scan,
     compact_keys,
     int8_products_exact,
 )
@@ -251,7 +260,7 @@ def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str
                                    if len(keys) < IVF_FROM else FIRST_STAGE_DIMS)
     first = build_first_stage(keys, center, basis)
     compact = (compact_keys(exact_keys(stored, start, score), len(keys), center)
-               if not isinstance(first, faiss.IndexIVF) and len(center) <= MOST_DIMS else {})
+               if len(center) <= MOST_DIMS else {})
     save_file({"rows": rows, "scale": scale, "start": start,
                "detail": fragments.detail.contiguous(), "key_item": key_item,
                "center": center, "basis": basis, **compact,
@@ -337,9 +346,6 @@ class Collection:
         with an upper bound on its exact inner product, and the bound on every pair not
         returned (trainer/search/certificate.py). A flat first stage computes every product
         once (one pass over the keys) and widens by keeping more of them."""
-        if self.compact is not None:  # the model's own float64 query keys
-            return self._compact_search(first_stage_keys(dataclasses.replace(
-                query, embeddings=query.embeddings.double()), self.score)[0])
         q, _ = first_stage_keys(query, self.score)
         q = q.float()
         probes = project(q, self.center, self.basis, queries=True)
@@ -369,26 +375,48 @@ class Collection:
                 keys >= total, lengths, outside, min(keys, total))
         return search
 
-    def _compact_search(self, q: torch.Tensor) -> Callable[[int, int], Retrieved]:
-        """The flat first stage over the int8 keys: one pass, then as the float32 one, each
-        pair and each row's `unseen` bounded by trainer/search/compact_keys.py."""
-        compact, total, rows = self.compact, len(self.key_item), np.arange(len(q))
-        scan = compact.scan(q)
+    def candidates(self, query: FragmentSet, weight: Callable[[np.ndarray], np.ndarray],
+                   reach: float) -> Callable[[int, int], Candidates]:
+        """The first stage as the certificate takes it: `search(count, probe)` returns items
+        with a bound on each one's score and the bound on every other item's. Over int8 keys,
+        one pass bounds every item (eq. 6: w(n) times its keys' bounds on sum_j max(0, k . q_j);
+        else its key's), and the `count` highest bounds are tightened by their keys' own errors
+        (`_tightened`); else `first_stage`'s pairs bound the items (certificate.item_bounds)."""
+        eq6 = self.score == "eq6"
+        if self.compact is None:
+            first = self.first_stage(query)
+            return lambda keys, probe: item_bounds(first(keys, probe), eq6, self.counts,
+                                                   weight, reach)
+        scan = self.compact.scan(first_stage_keys(dataclasses.replace(  # the model's own
+            query, embeddings=query.embeddings.double()), self.score)[0])  # float64 keys
+        keys = self.compact.key_bounds(scan, eq6)
+        every = (np.bincount(self.key_item, keys, len(self.items)) * weight(self.counts)
+                 * (1 + MARGIN) if eq6 else keys)  # cosine, inner: key k is item k's
+        ranked = torch.from_numpy(every)
 
-        def search(keys: int, probe: int) -> Retrieved:
-            best = torch.topk(scan.products, min(keys, total), dim=1)
-            unseen = (scan.bound(best.values[:, -1].numpy(), rows, compact.most_error,
-                                 compact.most_norm) if keys < total else np.full(len(q), -np.inf))
-            every = self._keys_of(np.unique(self.key_item[best.indices.numpy()]))
-            row, key = np.repeat(rows, len(every)), np.tile(every, len(q))
-            upper = scan.bound(scan.products[:, every].numpy().ravel(), row, compact.error[key],
-                               compact.norm[key])
-            return Retrieved(self.key_item[key], row, upper, unseen, min(keys, total),
-                             keys >= total, key)
+        def search(count: int, probe: int) -> Candidates:
+            count = min(count, len(every))
+            best = torch.topk(ranked, min(count + 1, len(every)))
+            items = best.indices[:count].numpy()
+            outside = float(best.values[count]) if count < len(every) else -np.inf
+            bounds = np.minimum(every[items], self._tightened(scan, items, eq6, weight))
+            return Candidates(items, bounds, outside, count, count == len(every))
         return search
 
+    def _tightened(self, scan: Scan, items: np.ndarray, eq6: bool,
+                   weight: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The bound on each of `items`' scores from its keys' pair bounds, each with the key's
+        own E_k and N_k (trainer/search/compact_keys.py)."""
+        upper = self.compact.pair_bounds(scan, self._keys_of(items))  # [m, the items' keys]
+        if not eq6:
+            return upper[0]
+        counts = self.counts[items]
+        summed = np.bincount(np.repeat(np.arange(len(items)), counts),
+                             np.maximum(upper, 0.0).sum(0), len(items))
+        return summed * weight(counts) * (1 + MARGIN)
+
     def _keys_of(self, items: np.ndarray) -> np.ndarray:
-        """Every key of `items` (sorted; an item's keys are consecutive): a flat first stage
+        """Every key of `items` (an item's keys are consecutive), in their order: a flat first stage
         returns all of a found item's products, so its bound is its score's."""
         first = np.searchsorted(self.key_item, items)
         return consecutive(first, np.searchsorted(self.key_item, items, side="right") - first)
@@ -472,11 +500,9 @@ def search(collection: Collection, query: FragmentSet, k: int, image_side: bool,
     started = time.monotonic()  # the budget counts the first stage's products too
     m = len(query.embeddings)  # eq. 6's factor of the query: 1 / (m + smooth) or 1 / m
     weight, reach = collection.reach(1 / (m + smooth) if image_side else 1 / max(m, 1))
-    eq6 = score == "eq6"
-    first = collection.first_stage(query)
     return certified_top_k(
-        first, exact, collection.items, k, eq6=eq6, counts=collection.counts, weight=weight,
-        reach=reach, keys=collection.key_candidates if eq6 else max(k, CANDIDATES),
+        collection.candidates(query, weight, reach), exact, collection.items, k,
+        keys=collection.key_candidates if score == "eq6" else max(k, CANDIDATES),
         probe=collection.probe,
         budget_s=None if budget_s is None else budget_s - (time.monotonic() - started))
 
