@@ -180,21 +180,24 @@ def test_exactly_coded_rows_meet_the_scaling_term(tmp_path: Path) -> None:
         assert margins["pair"] < 1e-6 * size and margins["key"] < 1e-6 * size, margins
 
 
-def test_a_rows_unseen_takes_the_worst_key(tmp_path: Path) -> None:
+def test_every_keys_bound_takes_the_worst_key(tmp_path: Path) -> None:
     """8 copies of a row, a zero row and their negations, one-row images, twice: a row W whose
     int8 errors (0.4 of a step) share its signs, with a query row along sign(W), which int8
     holds exactly, so it meets the copies' errors; and a row P of +-1, which int8 holds, with a
-    query row along P with 0.4 of a step of error the same way, so it meets P's norm. The row's
-    3 best keys are copies, and the copies it drops tie its last returned one: its `unseen`
-    needs the largest key error, and the largest key norm."""
+    query row whose second code leaves 3/8 of a step along P, so it meets P's norm. The pass's
+    bound on every key (y + beta) needs the largest key error, and the largest key norm: each
+    is met within 10^-3 of its size, and half of either is broken."""
     generator = torch.Generator().manual_seed(10)
     worst = torch.randint(0, 120, (DIM,), generator=generator) + 0.4
     worst[0] = LEVELS
     worst *= torch.where(torch.rand(DIM, generator=generator) < 0.5, -1.0, 1.0)
     pattern = signs(1, generator)[0]
     pattern[0] = 1.0
-    along = pattern * 60 + torch.randint(-30, 30, (DIM,), generator=generator) + 0.4 * pattern
+    along = pattern * 60 + torch.randint(-30, 30, (DIM,), generator=generator)  # codes at 1
     along[0] = LEVELS
+    left = torch.randint(-100, 101, (DIM,), generator=generator) + 0.375 * pattern
+    left[:2] = torch.tensor([0, LEVELS])  # codes at 2^-9, 3/8 of a step along P: the second
+    along += left * 2.0**-9  # pass's error
     for name, key, row in (("W", worst, torch.sign(worst)), ("P", pattern, along / 8)):
         rows = torch.cat([key.repeat(8, 1), torch.zeros(1, DIM)])
         (tmp_path / name).mkdir()
