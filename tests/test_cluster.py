@@ -111,7 +111,8 @@ STEPS_PER_EPOCH = 10  # tiny_config on the `shards` fixture: 200 pairs, batches 
 
 @pytest.fixture(scope="module")
 def data(cluster: NamespaceCluster, shards: Path) -> Path:
-    """The shards in the cluster's folder (pytest's folders are under /tmp: no node sees them)."""
+    """The shards in the cluster's folder (pytest's folders are under /dev/shm or /tmp: no node
+    sees them)."""
     copy = cluster.folder / "shards"
     shutil.copytree(shards, copy)
     return copy
