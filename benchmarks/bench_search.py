@@ -374,8 +374,8 @@ def keys(args: argparse.Namespace) -> None:
               "bf16": lambda: rows.bfloat16() @ halves.T,
               "int8": lambda: torch._int_mm(compact.codes, compact.codes[:args.rows].T
                                             .contiguous()),
-              "int8 first stage (query coded, products scaled)": lambda: compact.scan(
-                  rows.double())}
+              "int8 first stage (every key's bound, eq. 6)": lambda: compact.key_bounds(
+                  compact.scan(rows.double()), True)}
     ms = {name: median_ms(run, args.repeat) for name, run in passes.items()}
     size = torch.linalg.vector_norm(floats - center, dim=1).numpy()
     rounded = torch.linalg.vector_norm(floats - halves.float(), dim=1).numpy()

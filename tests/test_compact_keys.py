@@ -1,13 +1,13 @@
-"""trainer/search/compact_keys.py: a flat first stage scans int8 keys, and its bounds stay true.
-Apart from any rescoring, every bound of a first round is checked against its definition
-(tests/test_certified_search.py's `bounds_hold`: each returned pair's bound >= its exact float64
-product, each row's `unseen` >= every key it did not return, each item's bound >= its exact
-score) on rows built against them: norms from 1e-3 to 1e3, near-ties, rows and query rows whose
-int8 rounding is at its worst, query rows along a key's rounding error or a query row's error
-along a key (Cauchy-Schwarz met), dropped keys tied with a row's last returned one, and rows
-that int8 codes hold exactly (then only the pass's float32 scaling is left, and its term is met
-within 1e-6). The certified top k is the exact scan's; an index of format 2 (no int8 keys), or
-a CPU whose int8 product is not exact, is searched through the float32 keys."""
+"""trainer/search/compact_keys.py: search scans int8 keys, and its bounds stay true. Apart from
+any rescoring, every bound of the pass is checked against its definition (`int8_bounds_hold`:
+each pair's bound >= its exact float64 product, each key's bound >= its share of the score, each
+item's bound >= its exact score and the bound on the rest >= every other item's) on rows built
+against them: norms from 1e-3 to 1e3, near-ties, rows and query rows whose int8 rounding is at
+its worst, query rows along a key's rounding error or leaving their second code's error along
+the longest key (Cauchy-Schwarz met), and rows that int8 codes hold exactly (then only the
+float32 rounding terms are left, met within 4e-6). The certified top k is the exact scan's; an
+index of format 2 (no int8 keys), or a CPU whose int8 product is not exact, is searched through
+its faiss first stage."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def int8_bounds_hold(side: index.Collection, keys: np.ndarray, query: FragmentSe
     keys with a positive share: the others' shares are 0 whatever their products)."""
     scan = side.compact.scan(torch.from_numpy(exact_keys(query, side.score)))
     products, scores = definition_scores(side, keys, query, image_side, SMOOTH)
-    pairs = side.compact.pair_bounds(scan, np.arange(len(keys)))
+    pairs = side.compact.pair_bounds(scan, np.arange(len(keys))).double().numpy().T
     assert np.all(pairs >= products), (pairs - products).min()
     eq6 = side.score == "eq6"
     shares = np.maximum(products, 0).sum(0) if eq6 else products[0]
@@ -153,7 +153,7 @@ def test_the_bounds_hold_on_adversarial_rows(tmp_path: Path, score: str,
     assert side.compact is not None
     if score == "eq6":  # keys 110-139: the worst-rounded rows
         step = side.compact.scale.numpy()[110:140]
-        assert np.all(side.compact.error[110:140] >= 0.9 * np.sqrt(DIM - 1) * step / 2)
+        assert np.all(side.compact.error.numpy()[110:140] >= 0.9 * np.sqrt(DIM - 1) * step / 2)
     keys = every_key(side)
     for query in queries(side):
         for asked in (3, 30, len(side.items)):  # all: every item's bound is checked
@@ -165,8 +165,8 @@ def test_the_bounds_hold_on_adversarial_rows(tmp_path: Path, score: str,
 
 def test_exactly_coded_rows_meet_the_scaling_term(tmp_path: Path) -> None:
     """Rows and query rows that int8 codes hold exactly: the bounds are then the pass's
-    products plus their float32 scaling term (and MARGIN), met within 1e-6 of the products'
-    size; they still hold, pair by pair, row by row and item by item."""
+    products plus their float32 rounding terms (and MARGIN), met within 4e-6 of the products'
+    size (~14 u |k| |q|); they still hold, pair by pair, key by key and item by item."""
     side = opened(tmp_path, exact_rows(), "eq6")
     assert float(side.center.abs().max()) == 0.0
     assert side.compact.most_error < 1e-8 * side.compact.most_norm
@@ -177,7 +177,7 @@ def test_exactly_coded_rows_meet_the_scaling_term(tmp_path: Path) -> None:
         query = FragmentSet(["query"], rows, owners([3]), torch.zeros(3, 3))
         size = float(np.abs(keys @ rows.double().numpy().T).max())
         margins = int8_bounds_hold(side, keys, query, True, 5)
-        assert margins["pair"] < 1e-6 * size and margins["key"] < 1e-6 * size, margins
+        assert margins["pair"] < 4e-6 * size and margins["key"] < 4e-6 * size, margins
 
 
 def test_every_keys_bound_takes_the_worst_key(tmp_path: Path) -> None:

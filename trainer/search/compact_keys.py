@@ -54,6 +54,8 @@ MARGIN = 2**-30  # relative: the float64 arithmetic of codes' errors and bounds 
 TINY = 2**-100  # absolute: a float32 underflow of the scaled products (2^-149 a rounding)
 BLOCK = 1 << 13  # keys encoded at a time (float64 copies)
 SCAN_BLOCK = 1 << 14  # keys a pass scans at a time (its products stay in the cache)
+COLUMNS = 16  # query code columns padded to a multiple of this: the int8 product over 2, 16
+# or 32 columns took 0.7-1.0 ms a block of keys here, over 20 or 24 columns 1.2-1.3 ms
 SMALLEST = 2**-126  # float32's least normal: what a flushed subnormal loses
 
 
@@ -98,86 +100,82 @@ class CompactKeys:
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             self.codes = torch.from_numpy(arrays["int8_codes"])  # int8 [N, d]
         self.scale = torch.from_numpy(np.array(arrays["int8_scale"]))
-        self.error = np.array(arrays["int8_error"], np.float64)
-        self.norm = np.array(arrays["int8_norm"], np.float64)
+        self.error = torch.from_numpy(np.array(arrays["int8_error"]))  # float32, rounded up
+        self.norm = torch.from_numpy(np.array(arrays["int8_norm"]))
         self.center = center.double()
-        self.most_error = float(self.error.max(initial=0.0))
-        self.most_norm = float(self.norm.max(initial=0.0))
+        self.most_error = float(self.error.max()) if len(self) else 0.0
+        self.most_norm = float(self.norm.max()) if len(self) else 0.0
 
     def __len__(self) -> int:
         return len(self.codes)
 
     def scan(self, exact: torch.Tensor) -> Scan:
-        """The query rows (float64 [m, d], the model's) coded twice: their codes, and the codes
-        of what those leave out, so that the query's own rounding all but leaves the bound."""
+        """The query rows (float64 [m, d], the model's) coded twice, their codes and the codes
+        of what those leave out (so that the query's own rounding all but leaves the bound),
+        and each row's terms of the pair bound (module doc)."""
         first = encode(exact)
         second = encode(exact - first["scale"].double()[:, None] * first["codes"].double())
-        size = torch.linalg.vector_norm(exact, dim=1).numpy() * (1 + MARGIN)
-        center = float(torch.linalg.vector_norm(self.center)) * (1 + MARGIN)
+        size = torch.linalg.vector_norm(exact, dim=1).numpy() * (1 + MARGIN)  # Q
         left = second["error"].numpy().astype(np.float64)
-        error = left + 2.5 * SCALING * (first["error"].numpy() + left)  # E_q2, and |y2|'s share
-        return Scan(first, second, (exact @ self.center).numpy(), size, error,
-                    len(self.center) * 2**-52 * center * size)
+        error = left + 2.5 * SCALING * (first["error"].numpy() + left)  # E_q'
+        shift = (exact @ self.center).numpy()  # C
+        shift_error = (len(self.center) * 2**-52 * size
+                       * float(torch.linalg.vector_norm(self.center)) * (1 + MARGIN))
+        most = ((1 + 2**-20) * self.most_norm * (first["norm"] + second["norm"]).double().numpy()
+                + TINY)  # >= |y|
+        size, error = round_up(size), round_up(error)
+        rest = PASS_ROUNDING * most + shift_error + 3 * TINY
+        widest = size * self.most_error + error * self.most_norm
+        constant = shift + rest + MARGIN * (most + np.abs(shift) + rest + widest)
+        rounding = 8 * UNIT * (most + widest + np.abs(constant)) + 8 * SMALLEST
+        return Scan(first, second, torch.from_numpy(size), torch.from_numpy(error),
+                    torch.from_numpy(round_up(constant + rounding)))
+
+    def pair_bounds(self, scan: Scan, keys: slice | np.ndarray) -> torch.Tensor:
+        """float32 [K, m]: a bound on k . q_j of each of `keys` and each query row,
+        z = fl(y + E_k Q_j + N_k E_q'_j + B_j) (module doc)."""
+        z = scan.products(self.codes[keys], self.scale[keys])
+        z.addcmul_(self.error[keys][:, None], scan.size).addcmul_(self.norm[keys][:, None],
+                                                                  scan.error)
+        return z.add_(scan.constant)
 
     def key_bounds(self, scan: Scan, positive: bool) -> np.ndarray:
         """float64 [N]: for every key, a bound on sum_j max(0, k . q_j) over the query rows
-        (`positive`: eq. 6's share of the key), else on k . q of the one query row, from one
-        pass over the keys: y + beta_j bounds every pair of row j, beta_j the pair bound's
-        slack at the largest |y| with the largest E_k and N_k (it grows with each)."""
-        rows = np.arange(len(scan.size))
-        most = (1 + 2**-20) * self.most_norm * scan.coded_norm + TINY  # >= |y| (module doc)
-        beta = torch.from_numpy(round_up(scan.bound(most, rows, self.most_error,
-                                                    self.most_norm) - most))
-        bounds = np.empty(len(self))
+        (`positive`: eq. 6's share of the key; the float32 sum widened by its rounding), else
+        on k . q of the one query row: one pass over the keys, a block at a time."""
+        bounds, m = np.empty(len(self)), len(scan.size)
         for begin in range(0, len(self), SCAN_BLOCK):
             block = slice(begin, begin + SCAN_BLOCK)
-            y = scan.products(self.codes[block], self.scale[block]).add_(beta)  # [Nb, m]
-            if positive:  # float32 terms and sum: within (m + 1) 2u of the sum (module doc)
-                summed = y.clamp_(min=0).sum(dim=1).double().numpy()
-                bounds[block] = (summed * (1 + 2 * (len(rows) + 1) * UNIT)
-                                 + 2 * (len(rows) + 1) * SMALLEST)
-            else:  # y + beta rounded once
-                value = y[:, 0].double().numpy()
-                bounds[block] = value + 2 * UNIT * np.abs(value) + SMALLEST
+            z = self.pair_bounds(scan, block)
+            if positive:
+                summed = z.clamp_(min=0).sum(dim=1).double().numpy()
+                bounds[block] = summed * (1 + 2 * (m + 1) * UNIT) + 2 * (m + 1) * SMALLEST
+            else:
+                bounds[block] = z[:, 0].double().numpy()
         return bounds
-
-    def pair_bounds(self, scan: Scan, keys: np.ndarray) -> np.ndarray:
-        """float64 [m, len(keys)]: the bound on k . q_j of each query row and each of `keys`,
-        from its own E_k and N_k (module doc)."""
-        y = scan.products(self.codes[keys], self.scale[keys]).T.double().numpy()
-        return scan.bound(y, np.arange(len(y))[:, None], self.error[keys], self.norm[keys])
 
 
 class Scan:
-    """One query's rows coded twice (`encode`s), their pass over keys, and what bounds k . q
-    from a pass product y."""
+    """One query's rows coded twice (`encode`s), side by side for one integer product, and the
+    rows' terms of the pair bound: Q_j (`size`), E_q'_j (`error`), B_j (`constant`)."""
 
     def __init__(self, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor],
-                 shift: np.ndarray, size: np.ndarray, error: np.ndarray,
-                 shift_error: np.ndarray) -> None:
-        self.codes = torch.cat([first["codes"], second["codes"]]).T.contiguous()  # [d, 2m]
-        self.scales = torch.cat([first["scale"], second["scale"]])
-        self.coded_norm = (first["norm"] + second["norm"]).double().numpy()  # >= |t1 b1| + |t2 b2|
-        self.shift, self.size, self.error, self.shift_error = shift, size, error, shift_error
+                 size: torch.Tensor, error: torch.Tensor, constant: torch.Tensor) -> None:
+        codes = torch.cat([first["codes"], second["codes"]])  # [2m, d], then zero rows
+        padding = torch.zeros(-len(codes) % COLUMNS, codes.shape[1], dtype=torch.int8)
+        self.codes = torch.cat([codes, padding]).T.contiguous()
+        self.scales = torch.cat([first["scale"], second["scale"], torch.zeros(len(padding))])
+        self.rows = len(first["codes"])
+        self.size, self.error, self.constant = size, error, constant
 
     def products(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """y = fl(y1 + y2) [K, m] of keys' codes a (int8 [K, d]) and scales s [K], each pass
-        yi = fl(fl(fl(a . bi) ti) s) (a . bi exact in int32; both passes in one product)."""
-        m = len(self.scales) // 2
+        yi = fl(fl(fl(a . bi) ti) s) (a . bi exact in int32)."""
+        m = self.rows
         if not len(codes):
             return torch.zeros(0, m)
         y = torch._int_mm(codes, self.codes).float().mul_(self.scales).mul_(scale[:, None])
-        return y[:, :m].add_(y[:, m:])
-
-    def bound(self, y: np.ndarray, rows: np.ndarray, key_error: np.ndarray | float,
-              key_norm: np.ndarray | float) -> np.ndarray:
-        """The bound on k . q of query row `rows` and a key of `key_error` (E_k) and
-        `key_norm` (N_k) whose pass product is y (module doc)."""
-        y = np.asarray(y, np.float64)
-        slack = (PASS_ROUNDING * np.abs(y) + self.size[rows] * key_error
-                 + self.error[rows] * key_norm + self.shift_error[rows] + 3 * TINY)
-        value = y + self.shift[rows]
-        return value + slack + MARGIN * (np.abs(y) + np.abs(self.shift[rows]) + slack)
+        return y[:, :m].add_(y[:, m:2 * m])
 
 
 @functools.cache

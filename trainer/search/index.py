@@ -9,11 +9,11 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
   `scale` float32 [N] (each row's largest magnitude: fp16 keeps ~3 digits of any row); `start`
   int64 [n + 1] (image k owns rows start[k]:start[k + 1]); `detail` float32 [N, 4], the boxes
   in the file's pixels; the first stage's `key_item` (each key's image), projection (`center`,
-  `basis`) and what the certificate's bounds need (`first_stage_bounds`); a flat first stage's
-  keys also as int8 codes with their errors (`int8_codes`, `int8_scale`, `int8_error`,
-  `int8_norm`: trainer/search/compact_keys.py), which it scans. Memory-mapped.
-- `images.faiss`: the first stage over the projected keys (`build_first_stage`); flat, the
-  float32 keys that indexes of format 2 scan, and any index where int8 products are not exact.
+  `basis`) and what the certificate's bounds need (`first_stage_bounds`); the keys also as
+  int8 codes with their errors (`int8_codes`, `int8_scale`, `int8_error`, `int8_norm`:
+  trainer/search/compact_keys.py), which search scans. Memory-mapped.
+- `images.faiss`: the faiss first stage over the projected keys (`build_first_stage`), which
+  indexes of format 2 and any index where int8 products are not exact search instead.
 - `sentences.safetensors`, `sentences.faiss`: the same for the sentences (`detail`: each
   fragment's word ids, or a whole-sentence row's count of known words), when there are any: a
   --sentences file, else the captions of --shards.
@@ -22,9 +22,10 @@ The folder INDEX holds (safetensors + JSON + faiss's own format; nothing pickled
 
 Search returns the exact top k by the model's own score (`trainer.search.fragment_set.rank`,
 as evaluation computes it), certified (docs/design.md section 11, trainer/search/certificate.py):
-the first stage's keys are the fragment rows for eq. 6 (each query fragment finds its
-KEY_CANDIDATES best) or each item's mean row for the cosine and inner scores; its bounds rule
-out the items it did not return, and only the others are scored.
+the first stage's keys are the fragment rows for eq. 6 or each item's mean row for the cosine
+and inner scores; one pass over their int8 codes bounds every item's score (or the faiss first
+stage returns each query fragment's KEY_CANDIDATES best and bounds the rest), and only the items
+whose bounds the k-th exact score does not beat are scored.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ from trainer.search.compact_keys import (
     MARGIN,
     MOST_DIMS,
     CompactKeys,
-    Scan,
     compact_keys,
     int8_products_exact,
 )
@@ -380,16 +380,15 @@ class Collection:
         """The first stage as the certificate takes it: `search(count, probe)` returns items
         with a bound on each one's score and the bound on every other item's. Over int8 keys,
         one pass bounds every item (eq. 6: w(n) times its keys' bounds on sum_j max(0, k . q_j);
-        else its key's), and the `count` highest bounds are tightened by their keys' own errors
-        (`_tightened`); else `first_stage`'s pairs bound the items (certificate.item_bounds)."""
+        else its key's) and the `count` highest are returned; else `first_stage`'s pairs bound
+        the items (certificate.item_bounds)."""
         eq6 = self.score == "eq6"
         if self.compact is None:
             first = self.first_stage(query)
             return lambda keys, probe: item_bounds(first(keys, probe), eq6, self.counts,
                                                    weight, reach)
-        scan = self.compact.scan(first_stage_keys(dataclasses.replace(  # the model's own
-            query, embeddings=query.embeddings.double()), self.score)[0])  # float64 keys
-        keys = self.compact.key_bounds(scan, eq6)
+        keys = self.compact.key_bounds(self.compact.scan(first_stage_keys(dataclasses.replace(
+            query, embeddings=query.embeddings.double()), self.score)[0]), eq6)  # the model's
         every = (np.bincount(self.key_item, keys, len(self.items)) * weight(self.counts)
                  * (1 + MARGIN) if eq6 else keys)  # cosine, inner: key k is item k's
         ranked = torch.from_numpy(every)
@@ -397,23 +396,10 @@ class Collection:
         def search(count: int, probe: int) -> Candidates:
             count = min(count, len(every))
             best = torch.topk(ranked, min(count + 1, len(every)))
-            items = best.indices[:count].numpy()
             outside = float(best.values[count]) if count < len(every) else -np.inf
-            bounds = np.minimum(every[items], self._tightened(scan, items, eq6, weight))
-            return Candidates(items, bounds, outside, count, count == len(every))
+            return Candidates(best.indices[:count].numpy(), best.values[:count].numpy(),
+                              outside, count, count == len(every))
         return search
-
-    def _tightened(self, scan: Scan, items: np.ndarray, eq6: bool,
-                   weight: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """The bound on each of `items`' scores from its keys' pair bounds, each with the key's
-        own E_k and N_k (trainer/search/compact_keys.py)."""
-        upper = self.compact.pair_bounds(scan, self._keys_of(items))  # [m, the items' keys]
-        if not eq6:
-            return upper[0]
-        counts = self.counts[items]
-        summed = np.bincount(np.repeat(np.arange(len(items)), counts),
-                             np.maximum(upper, 0.0).sum(0), len(items))
-        return summed * weight(counts) * (1 + MARGIN)
 
     def _keys_of(self, items: np.ndarray) -> np.ndarray:
         """Every key of `items` (an item's keys are consecutive), in their order: a flat first stage
