@@ -21,16 +21,16 @@ plus MARGIN of the terms' size for the float64 arithmetic of the bound itself. B
 one integer product (the query's two codes side by side); the second takes the query's rounding
 (~0.8% of |q|, as large as the key's) out of the bound.
 
-Every key bounded in one pass (`key_bounds`). The bound minus y grows with |y|, E_k and N_k, and
-|y| <= (1 + 2^-20) N_max (|t1 b1| + |t2 b2|) =: Y (Cauchy-Schwarz on each pass, then the
-roundings); so y + beta_j bounds k . q_j for every key, beta_j the bound at Y with the largest E_k
-and N_k, minus Y, rounded up to float32. Eq. 6's share of a key, sum_j max(0, k . q_j), is then
-at most sum_j max(0, y_j + beta_j), which float32 computes as Z: each term rounded once (relative
-u), m terms summed in any order (relative gamma_(m-1)), and a subnormal flushed to zero loses
-at most 2^-126 an operation, so the share is at most Z (1 + 2 (m + 1) u) + 2 (m + 1) 2^-126.
-An item's bound is w(n) times its keys' (float64, widened by MARGIN); the items with the highest
-are tightened with each key's own E_k and N_k (`pair_bounds`), and the highest left bounds the
-rest: no key goes unbounded, so no row's `unseen` is needed.
+Every pair bounded in one pass (`pair_bounds`). In the bound, only PASS_ROUNDING |y| and the
+MARGIN terms are not linear in y, E_k and N_k; with |y| <= (1 + 2^-20) N_max (|t1 b1| + |t2 b2|)
+=: Y_j (Cauchy-Schwarz on each pass, then the roundings) and the largest E_k, N_k there, the
+bound is at most y + E_k Q_j + N_k E_q'_j + B_j, B_j a constant of the query row. float32
+computes z = fl(y + E_k Q_j + N_k E_q'_j + B_j) within 5u of |y| + E_k Q_j + N_k E_q'_j + |B_j|,
+so 8u of Y_j + E_max Q_j + N_max E_q'_j + |B_j| (+ 8 x 2^-126 for subnormals flushed to zero)
+is added to B_j: z >= k . q. Eq. 6's share of a key, sum_j max(0, k . q_j), is then at most the
+float32 sum of max(0, z_j) widened by its own rounding (m terms in any order): Z (1 + 2 (m + 1) u)
++ 2 (m + 1) 2^-126 (`key_bounds`). An item's bound is w(n) times its keys' (float64, widened by
+MARGIN): every item is bounded by the pass, none by a row's `unseen`.
 """
 
 from __future__ import annotations
