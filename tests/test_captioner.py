@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from featurizer.synthetic import COLOURS, SHAPES, make_scenes
 from tests import DEFRAG
-from tests.test_train_e2e import finish, tiny_config, torchrun
+from tests.test_train_e2e import finish, side_by_side, tiny_config, torchrun
 from trainer.caption.captioner import Captioner
 from trainer.caption.data import (
     END_TAG,
@@ -229,8 +229,11 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     run(DEFRAG, "registry", "download", "models:/defrag-captioner@champion", "--dst",
         str(downloaded), "--tracking-uri", summary["tracking_uri"])
     measured = tmp_path / "val.json"
-    run(DEFRAG, "caption-eval", "--model", str(downloaded), "--shards", str(scenes_200),
-        "--split", "val", "--out", str(measured))
+    images = sorted((scenes_200 / "source" / "images").glob("val_*.png"))[:3]
+    _, captions = side_by_side(
+        [DEFRAG, "caption-eval", "--model", str(downloaded), "--shards", str(scenes_200),
+         "--split", "val", "--out", str(measured)],
+        [DEFRAG, "caption", "--model", str(downloaded), "--json", *map(str, images)])
     results = json.loads(measured.read_text())
     scenes = make_scenes(VAL_SCENES, seed=0, split="val")
     right, chance = true_rate([row["generated"] for row in results["captions"]], scenes)
@@ -244,8 +247,6 @@ def test_registered_captioner_names_what_is_in_the_image(tmp_path, scenes_200):
     assert systems["generated"]["CIDEr"] > systems["language_model"]["CIDEr"], systems
     assert {"BLEU-4", "METEOR", "retrieval"} <= set(systems["generated"])
 
-    images = sorted((scenes_200 / "source" / "images").glob("val_*.png"))[:3]
-    described = json.loads(run(DEFRAG, "caption", "--model", str(downloaded), "--json",
-                                *map(str, images)))
+    described = json.loads(captions)
     assert [row["image"] for row in described] == [image.name for image in images]
     assert all(len(row["captions"]) == 5 and row["nearest_sentence"] for row in described)
