@@ -125,10 +125,12 @@ def job_field(env: dict[str, str], job: str, name: str) -> str:
     return match.group(1) if match else ""
 
 
-def slurm_conf(folder: Path, controller: str, nodes: list[str], authinfo: str = "") -> str:
+def slurm_conf(folder: Path, controller: str, nodes: list[str], authinfo: str = "",
+               select: str = "select/linear") -> str:
     """`nodes` (slurm.conf node lines) in one partition, slurmctld on `controller` (its host
     name, and its address in parentheses where that name does not resolve to it), state and
-    logs in `folder` (each slurmd's under its node name, %n).
+    logs in `folder` (each slurmd's under its node name, %n). `select`: whole nodes to a job
+    (select/linear), or CPUs (select/cons_tres, CR_CPU: the tasks of an array share a node).
 
     A requeued job waits `cred_expire` (120 s by default) and then the next scheduling pass
     (every 60 s by default) before it starts again: both are shortened here, to SLURM's
@@ -152,7 +154,8 @@ SlurmctldLogFile={folder}/slurmctld.log
 SlurmdLogFile={folder}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-SelectType=select/linear
+SelectType={select}
+{"SelectTypeParameters=CR_CPU" if select == "select/cons_tres" else ""}
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -214,7 +217,9 @@ def one_node(folder: Path) -> Iterator[dict[str, str]]:
     daemons it started."""
     (folder / "state").mkdir()
     host, node = this_host()
-    (folder / "slurm.conf").write_text(slurm_conf(folder, host, [node]))
+    # the tasks of an array run side by side, one CPU each (train.sbatch asks --exclusive)
+    (folder / "slurm.conf").write_text(slurm_conf(folder, host, [node],
+                                                  select="select/cons_tres"))
     env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
     daemons: list[subprocess.Popen] = []
     with ExitStack() as logs:
