@@ -24,6 +24,7 @@ import torch
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.environment_variables import (
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     MLFLOW_HTTP_REQUEST_TIMEOUT,
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION,
     MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
@@ -37,6 +38,7 @@ from trainer.store.model_folder import ModelFolder, save_model_folder
 from trainer.store.registry import RegistrationFailed, download_model, register_from_run
 from trainer.store.tracking import (
     HTTP_DEFAULTS,
+    PROBE,
     Tracker,
     TrackingUnavailable,
     flatten,
@@ -406,13 +408,17 @@ def test_server_that_never_answers_costs_timeouts_not_a_hang(
         tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's port taken over by a socket that accepts connections and never answers:
     one request's timeouts, then short probes; everything waits in the run folder. The user's
-    2 s request timeout (their HTTP settings win over HTTP_DEFAULTS' 20 s) keeps it short; the
-    20 s default itself is asserted as set, not waited out (test_server_dying_mid_run_...)."""
+    1 s request timeout (their HTTP settings win over HTTP_DEFAULTS' 20 s) keeps it short; the
+    20 s default itself is asserted as set, not waited out (test_server_dying_mid_run_...), and
+    so are the probe's single try and 5 s at most, waited out at 1 s."""
     uri, run_dir = mlflow_server.uri, tmp_path / "run"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv(MLFLOW_HTTP_REQUEST_TIMEOUT.name, "2")
+    monkeypatch.setenv(MLFLOW_HTTP_REQUEST_TIMEOUT.name, "1")
+    assert PROBE[MLFLOW_HTTP_REQUEST_MAX_RETRIES.name] == "0"
+    assert float(PROBE[MLFLOW_HTTP_REQUEST_TIMEOUT.name]) <= 5
+    monkeypatch.setitem(PROBE, MLFLOW_HTTP_REQUEST_TIMEOUT.name, "1")
     tracker = Tracker.start(Config(), run_dir, rank=0)
-    assert os.environ[MLFLOW_HTTP_REQUEST_TIMEOUT.name] == "2"
+    assert os.environ[MLFLOW_HTTP_REQUEST_TIMEOUT.name] == "1"
     tracker.flush_seconds = 0.0  # every log_metrics call would send
     tracker.log_metrics({"loss": 1.0}, step=0)
     folder = save_model_folder(tmp_path / "model", torch.nn.Linear(2, 2), Config(),
@@ -429,9 +435,9 @@ def test_server_that_never_answers_costs_timeouts_not_a_hang(
         with pytest.raises(RegistrationFailed, match="timed out"):
             register_from_run(tracker, folder)
         tracker.finish()
-        # one log_batch: 3 tries of 2 s and ~3 s of backoff (HTTP_DEFAULTS' retries), then two
-        # 5 s probes (PROBE), ~19 s; without the pause and the probes: one call a step, ~9 s each
-        assert time.monotonic() - began < 40
+        # one log_batch: 3 tries of 1 s and ~3 s of backoff (HTTP_DEFAULTS' retries), then two
+        # 1 s probes (PROBE), ~8 s; without the pause and the probes: one call a step, ~6 s each
+        assert time.monotonic() - began < 20
 
     mlflow_server.start()
     assert sync(run_dir) == [f"run {tracker.run_id} in {uri}: sent metrics 49, pictures 1, "
