@@ -4,6 +4,7 @@ in one line, and hands a command its arguments and exit status."""
 from __future__ import annotations
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from tests import DEFRAG
 from trainer.commands import COMMANDS
@@ -27,11 +28,17 @@ def test_an_unknown_command_is_one_line_naming_the_commands() -> None:
                                       + ", ".join(COMMANDS))
 
 
+def side_by_side(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """`defrag` with each of these argument lists, all run at once (each imports for seconds)."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda argv: defrag(*argv), commands))
+
+
 def test_a_command_gets_its_arguments_and_gives_its_exit_status() -> None:
-    helped = defrag("registry", "-h")
+    helped, wrong, missing = side_by_side(
+        ["registry", "-h"], ["registry", "verify"], ["registry", "verify", "/nonexistent/model"])
     assert helped.returncode == 0 and helped.stdout.startswith("usage: defrag registry")
-    wrong = defrag("registry", "verify")  # its folder argument missing: argparse's status 2
+    # its folder argument missing: argparse's status 2
     assert wrong.returncode == 2 and "defrag registry verify: error:" in wrong.stderr
-    missing = defrag("registry", "verify", "/nonexistent/model")
     assert missing.returncode == 1
     assert missing.stderr.startswith("defrag registry verify: error: ")
