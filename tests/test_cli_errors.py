@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,12 +73,13 @@ def error_lines(process: subprocess.CompletedProcess) -> list[str]:
 
 def test_a_bad_value_stops_training_before_anything_starts(tmp_path: Path, shards: Path) -> None:
     config = tiny_config(tmp_path, shards)
-    failed = run_cli(TRAIN, "--config", str(config), "optim.lr=abc")
+    with ThreadPoolExecutor(2) as pool:  # side by side: each imports the trainer for seconds
+        failed, debug = pool.map(lambda extra: run_cli(TRAIN, "--config", str(config),
+                                                       "optim.lr=abc", *extra), [[], ["--debug"]])
     assert failed.returncode == 1
     assert error_lines(failed) == ["trainer.main: error: config key optim.lr = 'abc': expected "
                                    "a number > 0 (--debug shows the traceback)"]
     assert not (tmp_path / "run").exists()  # no run folder, no MLflow run
-    debug = run_cli(TRAIN, "--config", str(config), "optim.lr=abc", "--debug")
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
 
 
