@@ -23,6 +23,7 @@ import subprocess
 import tarfile
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -345,16 +346,21 @@ def evaluate_command(folder: Path, shards: Path, *extra: str) -> subprocess.Comp
 
 def test_evaluate_command_on_a_damaged_split(shards: Path, model_folder: Path,
                                              tmp_path: Path) -> None:
+    """Refused, allowed with --allow-incomplete, and refused with the shard gone: the three
+    commands run side by side, on two copies of the shards."""
     copy = copy_of(shards, tmp_path)
     path, _ = damage_shard(copy, VAL_SHARD, HEADER)  # caught by its checksum: 5 images lost
-    refused = evaluate_command(model_folder, copy)
+    gone = copy_of(shards, tmp_path / "gone") / VAL_SHARD
+    gone.unlink()
+    with ThreadPoolExecutor(3) as pool:
+        refused, allowed, missing = pool.map(lambda args: evaluate_command(model_folder, *args), [
+            [copy], [copy, "--allow-incomplete"], [gone.parent.parent]])
     assert refused.returncode != 0
     assert ("defrag evaluate: error: evaluated 5 of the 10 images and 25 of the 50 sentences "
             "of split 'val' (1 data problems)") in refused.stderr, refused.stderr[-3000:]
     assert str(path) in refused.stderr and "sha256" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    allowed = evaluate_command(model_folder, copy, "--allow-incomplete")
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     lines = allowed.stdout.strip().splitlines()
     assert f"evaluated {expected_line(5, 1)} from 2 shard(s)" in lines
@@ -363,12 +369,10 @@ def test_evaluate_command_on_a_damaged_split(shards: Path, model_folder: Path,
     metrics = json.loads(lines[-1])
     assert metrics["split"] == "val" and 0 <= metrics["rsum"] <= 600
 
-    path.unlink()
-    missing = evaluate_command(model_folder, copy)
     assert missing.returncode != 0
     assert "defrag evaluate: error: 1 of the 2 shards of split 'val' are missing" in missing.stderr
     assert "Traceback" not in missing.stderr
-    assert str(path) in missing.stderr
+    assert str(gone) in missing.stderr
 
 
 # ---------------------------------------------------------------- a real torchrun training
