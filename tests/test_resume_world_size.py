@@ -30,14 +30,15 @@ CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 
 def make_config(run_dir: Path, shards: Path, engine: str) -> Config:
-    """One epoch of 10 steps of a tiny model, the CNN fixed, a checkpoint after every step."""
+    """One epoch of 10 steps of a tiny model, the CNN fixed, a checkpoint after step 5 and at
+    the epoch's end."""
     return small_config(shards, run_dir, run={
-        "run_dir": str(run_dir), "keep_checkpoints": 20, "checkpoint_every_steps": 1,
+        "run_dir": str(run_dir), "keep_checkpoints": 20, "checkpoint_every_steps": 5,
         "engine": engine, "deepspeed_config": str(ROOT / "launch/deepspeed/zero2.json")})
 
 
 def two_ranks(rank: int, init_file: str, shards: str, run_dir: str, engine: str) -> None:
-    """The whole epoch on 2 ranks: checkpoints step-1 (mid-epoch) to the epoch's end."""
+    """The whole epoch on 2 ranks: checkpoints step-5 (mid-epoch) and the epoch's end."""
     os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets; DeepSpeed requires it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     train(make_config(Path(run_dir), Path(shards), engine),
@@ -56,7 +57,7 @@ def test_a_resume_on_another_world_size(tmp_path: Path, shards: Path, engine: st
     run_dir = tmp_path / "run"
     mp.spawn(two_ranks, args=(str(tmp_path / "store"), str(shards), str(run_dir), engine),
              nprocs=2)
-    middle, end = checkpoints_dir(run_dir) / "step-00000001", latest_checkpoint(run_dir)
+    middle, end = checkpoints_dir(run_dir) / "step-00000005", latest_checkpoint(run_dir)
     assert load_state(middle).world_size == load_state(end).world_size == 2
     assert load_state(end).step_in_epoch == 0
     cfg = make_config(run_dir, shards, engine)
