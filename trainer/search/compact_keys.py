@@ -164,7 +164,7 @@ class Scan:
         codes = torch.cat([first["codes"], second["codes"]])  # [2m, d], then zero rows
         padding = torch.zeros(-len(codes) % COLUMNS, codes.shape[1], dtype=torch.int8)
         self.codes = torch.cat([codes, padding]).T.contiguous()
-        self.scales = torch.cat([first["scale"], second["scale"], torch.zeros(len(padding))])
+        self.scales = torch.cat([first["scale"], second["scale"]])
         self.rows = len(first["codes"])
         self.size, self.error, self.constant = size, error, constant
 
@@ -174,8 +174,9 @@ class Scan:
         m = self.rows
         if not len(codes):
             return torch.zeros(0, m)
-        y = torch._int_mm(codes, self.codes).float().mul_(self.scales).mul_(scale[:, None])
-        return y[:, :m].add_(y[:, m:2 * m])
+        y = torch._int_mm(codes, self.codes)[:, :2 * m].float()  # the padding left out
+        y.mul_(self.scales).mul_(scale[:, None])
+        return y[:, :m].add_(y[:, m:])
 
 
 @functools.cache
