@@ -7,6 +7,7 @@ the featurizer's parser, such as a GPU machine running tests/test_cuda.py."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,14 +23,17 @@ if TYPE_CHECKING:
 
 NUM_TRAIN, NUM_VAL, SHARD_SIZE = 40, 10, 5  # 8 train shards of 25 pairs, 2 val shards
 MEMORY_TEMPROOT = Path("/dev/shm")
+MEMORY_TEMPROOT_FREE = 8 << 30
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """pytest's temporary folders under /dev/shm (tmpfs) when it is writable, unless the caller
-    chose a root: a fresh MLflow sqlite store there takes ~1 s instead of ~5 s of fsyncs on this
+    """pytest's temporary folders under /dev/shm (tmpfs) when it is writable with 8 GiB free
+    (a full run's folders, kept until its end, reach a few GiB), unless the caller chose a
+    root: a fresh MLflow sqlite store there takes ~1 s instead of ~5 s of fsyncs on this
     machine's disk, and every training and shard writer of the suite makes one or fsyncs."""
     if ("PYTEST_DEBUG_TEMPROOT" not in os.environ and config.option.basetemp is None
-            and os.access(MEMORY_TEMPROOT, os.W_OK)):
+            and os.access(MEMORY_TEMPROOT, os.W_OK)
+            and shutil.disk_usage(MEMORY_TEMPROOT).free >= MEMORY_TEMPROOT_FREE):
         os.environ["PYTEST_DEBUG_TEMPROOT"] = str(MEMORY_TEMPROOT)
 
 
