@@ -379,7 +379,7 @@ def keys(args: argparse.Namespace) -> None:
     ms = {name: median_ms(run, args.repeat) for name, run in passes.items()}
     size = torch.linalg.vector_norm(floats - center, dim=1).numpy()
     rounded = torch.linalg.vector_norm(floats - halves.float(), dim=1).numpy()
-    error = {"int8": float(np.median(compact.error / size)),
+    error = {"int8": float(np.median(compact.error.numpy() / size)),
              "bf16": float(np.median(rounded / torch.linalg.vector_norm(floats, dim=1).numpy()))}
     print(f"{args.keys} keys x {args.dim}, {args.rows} query rows, {args.threads} threads, "
           f"median of {args.repeat}:")
