@@ -5,7 +5,8 @@
     #    the images, every image the sentences)
     python benchmarks/bench_search.py agreement --index INDEX [--top 10]
     # 2. a large real index (benchmarks/search_collection.py): text queries ranking the images
-    #    and sampled indexed images ranking the sentences, certified against the exact scan
+    #    and sampled indexed images ranking the sentences, certified against the exact scan;
+    #    the RSS after the certified searches (before the exact scans, which read every row)
     python benchmarks/bench_search.py certify --index INDEX --query-file QUERIES
                                               [--queries 1000] [--top 10] [--budget-s S]
     # 3. latency per text query (parse + embed + certified search) and memory at several sizes
@@ -109,9 +110,10 @@ def agreement(args: argparse.Namespace) -> None:
 
 
 def timed_rankings(index: SearchIndex, queries: list, search, top: int,
-                   budget_s: float | None) -> list[dict]:
-    """Each query (a sentence, or an image's stored rows) searched by `search` (certified, then
-    the exact scan as the reference): its times, certificate and agreement."""
+                   budget_s: float | None) -> tuple[list[dict], float]:
+    """Each query (a sentence, or an image's stored rows) searched by `search` (certified: its
+    times and certificate), the process's RSS in GiB after those searches, then each query's
+    exact scan as the reference (agreement), which reads every stored row."""
     results = []
     for query in tqdm(queries, desc="queries", unit="q", leave=False):
         start = time.perf_counter()
@@ -119,13 +121,17 @@ def timed_rankings(index: SearchIndex, queries: list, search, top: int,
         parsed = time.perf_counter()
         ranking = search(rows, top, budget_s=budget_s)
         done = time.perf_counter()
-        reference = search(rows, top, exact_scan=True)
-        results.append({"seconds": done - start, "search_s": done - parsed,
-                        "exact": ranking.exact, "gap": ranking.gap, "scored": ranking.scored,
-                        "keys": ranking.keys, "same": [h.position for h in ranking.hits]
-                        == [h.position for h in reference.hits],
-                        "same_scores": same_scores(ranking, reference)})
-    return results
+        results.append({"rows": rows, "ranking": ranking, "seconds": done - start,
+                        "search_s": done - parsed, "exact": ranking.exact, "gap": ranking.gap,
+                        "scored": ranking.scored, "keys": ranking.keys})
+    rss = psutil.Process().memory_info().rss / GIB
+    for result in tqdm(results, desc="exact scans", unit="q", leave=False):
+        ranking = result.pop("ranking")
+        reference = search(result.pop("rows"), top, exact_scan=True)
+        result.update(same=[h.position for h in ranking.hits]
+                      == [h.position for h in reference.hits],
+                      same_scores=same_scores(ranking, reference))
+    return results, rss
 
 
 def same_scores(ranking: Ranking, reference: Ranking) -> bool:
@@ -168,12 +174,13 @@ def certify(args: argparse.Namespace) -> None:
           f"{args.budget_s} s")
     for text in texts[:5]:  # warm up: the parser, the first touch of the pages
         index.images_for_rows(index.query_rows(text), args.top, budget_s=args.budget_s)
-    rows = [summary("images", timed_rankings(index, texts, index.images_for_rows, args.top,
-                                             args.budget_s))]
+    found, rss = timed_rankings(index, texts, index.images_for_rows, args.top, args.budget_s)
+    rows = [{**summary("images", found), "rss_gib": rss}]
     if index.sentence_set is not None and picked:
         images = [index.images.select([p]) for p in picked]
-        rows.append(summary("sentences", timed_rankings(
-            index, images, index.sentences_for_rows, args.top, args.budget_s)))
+        found, rss = timed_rankings(index, images, index.sentences_for_rows, args.top,
+                                    args.budget_s)
+        rows.append({**summary("sentences", found), "rss_gib": rss})
     for row in rows:
         print(f"  {row['queries']:5d} queries ranking {row['queries_rank']}: certified "
               f"{100 * row['certified']:.1f}%, agreeing with the exact scan "
@@ -182,7 +189,8 @@ def certify(args: argparse.Namespace) -> None:
               f"{100 * (row['same_scores_certified'] or 0):.1f}% of the certified); p50 "
               f"{row['p50_ms']:.1f} ms, p95 "
               f"{row['p95_ms']:.1f} ms ({row['p50_ms_without_parse']:.1f} / "
-              f"{row['p95_ms_without_parse']:.1f} ms without the parse)")
+              f"{row['p95_ms_without_parse']:.1f} ms without the parse); RSS "
+              f"{row['rss_gib']:.2f} GiB after them")
     print(json.dumps({"index": str(args.index), "images": len(index.image_names),
                       "sentences": len(index.sentences), "top": args.top,
                       "budget_s": args.budget_s, "results": rows}))
