@@ -266,6 +266,8 @@ def _embed_units(mine: list[Unit], todo: list[Unit], workers: int, opened: Model
         with context.Pool(workers, _start_worker, settings) as pool:
             for _, size in pool.imap_unordered(_embed_unit, todo):
                 bar.update(size)
+            pool.close()  # the workers exit on their own, their locks released (a terminated
+            pool.join()  # worker's are reported leaked at exit by the resource tracker)
 
 
 def merge(out: Path, index_parts: int = 1) -> dict[str, Any]:
