@@ -149,8 +149,11 @@ def certified_top_k(search: Callable[[int, int], Candidates], score: Callable[[n
         started = time.monotonic()
         found = search(keys, probe)
         took = time.monotonic() - started  # the next round searches WIDEN times as much
-        order = np.argsort(-found.bounds, kind="stable")
-        candidates, bounds, outside = found.items[order], found.bounds[order], found.outside
+        # a NaN bound (a non-finite key or query row) bounds nothing: +inf, never certified
+        bounds = np.where(np.isnan(found.bounds), np.inf, found.bounds)
+        outside = np.inf if np.isnan(found.outside) else found.outside
+        order = np.argsort(-bounds, kind="stable")
+        candidates, bounds = found.items[order], bounds[order]
         last = found.complete or (deadline is not None
                                   and time.monotonic() + WIDEN * took > deadline)
         possible = bounds[k - 1] if len(bounds) >= k else -np.inf  # the k-th can score at most

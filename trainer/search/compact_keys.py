@@ -163,7 +163,9 @@ class Scan:
                  size: torch.Tensor, error: torch.Tensor, constant: torch.Tensor) -> None:
         codes = torch.cat([first["codes"], second["codes"]])  # [2m, d], then zero rows
         padding = torch.zeros(-len(codes) % COLUMNS, codes.shape[1], dtype=torch.int8)
-        self.codes = torch.cat([codes, padding]).T.contiguous()
+        # a new tensor's row-major strides: for d = 1, .contiguous() would keep the [1, n]
+        # transpose's strides (1, 1), for which torch._int_mm returns memory it never wrote
+        self.codes = torch.cat([codes, padding]).T.clone(memory_format=torch.contiguous_format)
         self.scales = torch.cat([first["scale"], second["scale"]])
         self.rows = len(first["codes"])
         self.size, self.error, self.constant = size, error, constant

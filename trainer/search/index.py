@@ -242,7 +242,15 @@ def exact_keys(stored: StoredRows, start: torch.Tensor,
 
 
 def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
-    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
+    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc); refused
+    with one line naming them if some fragments are not finite (no bound would hold)."""
+    finite = torch.isfinite(fragments.embeddings).all(dim=1)
+    if not finite.all():
+        bad = sorted(set(fragments.owner[~finite].tolist()))
+        named = ", ".join(str(fragments.items[b]) for b in bad[:3])
+        raise RetrievalError(f"{len(bad)} of the {len(fragments.items)} {stem} have fragments "
+                             f"that are not finite (NaN or inf), e.g. {named}: the model gives "
+                             f"them for these inputs; check the model, or leave them out")
     start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
     start[1:] = fragments.counts.cumsum(0)
     scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude

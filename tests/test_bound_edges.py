@@ -1,5 +1,5 @@
-"""A review of the int8 first stage's soundness (trainer/search/compact_keys.py): inputs on
-which a certified top k is not the exact scan's."""
+"""Inputs on which the int8 first stage (trainer/search/compact_keys.py) once certified a top k
+that was not the exact scan's: one-dimensional keys, and NaN bounds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import trainer.search.index as index
 from tests.test_certified_search import definition_scores, every_key
 from tests.test_compact_keys import SMOOTH, opened
 from trainer.batch import owners
+from trainer.search.embedder import RetrievalError
 from trainer.search.fragment_set import FragmentSet
 
 
@@ -46,18 +47,24 @@ def test_one_dimensional_keys_are_bounded_and_certified_right(tmp_path: Path) ->
         assert all(certified_right(side, query, k) for k in (1, 3)), value
 
 
-def test_a_nan_row_does_not_certify_a_wrong_top_k(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """One fragment row of NaN outside the projection's sample (any collection of more than
-    PROJECTION_SAMPLE keys can hold one; the build checks no row): the largest key error and
-    norm are NaN, so every item's bound is, and the certificate (Python's max drops a NaN)
-    certifies the first 50 items scored."""
-    monkeypatch.setattr(index, "PROJECTION_SAMPLE", 300)
-    sample = set(torch.randperm(600, generator=torch.Generator().manual_seed(0))[:300].tolist())
+def test_fragments_that_are_not_finite_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A NaN fragment would make every bound NaN: the index side is not written."""
+    rows = torch.randn(600, 8, generator=torch.Generator().manual_seed(0))
+    rows[455, 2] = float("nan")
+    rows[7, 0] = float("inf")
+    with pytest.raises(RetrievalError, match=r"2 of the \d+ images have fragments that are not "
+                                             r"finite \(NaN or inf\), e.g. item-\d+, item-\d+"):
+        opened(tmp_path, rows, "eq6", 1)
+    assert not (tmp_path / "images.safetensors").exists()
+
+
+def test_nan_bounds_never_certify_a_wrong_top_k(tmp_path: Path) -> None:
+    """Bounds that are NaN (an index whose largest key error is NaN: every item's bound is)
+    bound nothing: the certificate takes them as +inf (Python's max would drop them and
+    certify the first items scored)."""
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(600, 8, generator=generator)
-    rows[min(set(range(600)) - sample), 2] = float("nan")
-    side = opened(tmp_path, rows, "eq6", 1)
+    side = opened(tmp_path, torch.randn(600, 8, generator=generator), "eq6", 1)
     assert side.compact is not None
+    side.compact.most_error = float("nan")
     for _ in range(3):
         assert certified_right(side, query_of(torch.randn(2, 8, generator=generator)), 3)
