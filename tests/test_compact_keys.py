@@ -185,8 +185,9 @@ def test_every_keys_bound_takes_the_worst_key(tmp_path: Path) -> None:
     int8 errors (0.4 of a step) share its signs, with a query row along sign(W), which int8
     holds exactly, so it meets the copies' errors; and a row P of +-1, which int8 holds, with a
     query row whose second code leaves 3/8 of a step along P, so it meets P's norm. The pass's
-    bound on every key (y + beta) needs the largest key error, and the largest key norm: each
-    is met within 10^-3 of its size, and half of either is broken."""
+    bound on every key (y + beta) needs the key's own int8 error E_k and norm N_k: each is met
+    within 10^-3 of its size, and half of either is broken (the largest of all, here the same,
+    only enter float32-level terms)."""
     generator = torch.Generator().manual_seed(10)
     worst = torch.randint(0, 120, (DIM,), generator=generator) + 0.4
     worst[0] = LEVELS
