@@ -1,0 +1,148 @@
+"""An independent review of the split index's front (trainer/search/split.py): failing by design,
+each test shows a defect for the front's owner to fix. The front is the real `defrag serve
+--parts` process; its two parts are small HTTP servers in this process that answer /api/info as
+parts 0 and 1 of one merge would, part 0 a well-formed search, part 1 what a misconfigured or
+compromised part (or a proxy before it) may send: a page that is not JSON, JSON that is not a
+search answer, or a huge body. docs/search-app.md: a part that fails is named in
+"missing_parts" and the other parts' results come back; the front's memory is bounded."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+from starlette.exceptions import HTTPException
+
+import trainer.search.serve as serve
+from tests import DEFRAG
+from tests.cluster import free_port
+from tests.test_split_index import wait_for
+
+MIB = 2**20
+HUGE = 128 * MIB  # part 1's answer of a search in test_a_part_s_huge_answer_is_not_held_whole
+GOOD = {"query": "q", "exact": True, "gap": 0.0, "scored": 1, "results": [
+    {"rank": 1, "image": "a.png", "score": 1.5, "url": "/images/a.png"}]}
+
+
+class Part(BaseHTTPRequestHandler):
+    """Part `server.number` of a two-part split: its /api/info, and for a search
+    `server.search()`: (status, content type, body length, body chunks)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/api/info":
+            self.answer(*answering(200, "application/json", {
+                "model": "m", "model_key": "k", "images": 1, "sentences": 1,
+                "max_query_chars": 1000, "max_image_pixels": 1,
+                "split": {"id": "one", "part": self.server.number, "parts": 2}}))
+        else:
+            self.answer(*self.server.search())
+
+    def answer(self, status: int, media: str, size: int, chunks: Iterator[bytes]) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", media)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        for chunk in chunks:
+            self.wfile.write(chunk)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def answering(status: int, media: str, body: bytes | dict) -> tuple[int, str, int, list]:
+    body = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return status, media, len(body), [body]
+
+
+def huge_answer() -> Iterator[bytes]:
+    """A search answer of HUGE bytes: no results, padded."""
+    head, tail = b'{"results": [], "exact": true, "gap": 0.0, "scored": 0, "pad": "', b'"}'
+    yield head
+    left = HUGE - len(head) - len(tail)
+    while left:
+        chunk = min(left, MIB)
+        yield b"x" * chunk
+        left -= chunk
+    yield tail
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen,
+                                                                        list[ThreadingHTTPServer]]]:
+    """The two parts (in threads) and the front (a process, its part timeout 20 s)."""
+    parts = []
+    for number in range(2):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Part)
+        server.number, server.search = number, lambda: answering(200, "application/json", GOOD)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        parts.append(server)
+    urls = ",".join(f"http://127.0.0.1:{server.server_address[1]}" for server in parts)
+    port, log = free_port(), Path(tmp_path_factory.mktemp("review")) / "front.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen([DEFRAG, "serve", "--parts", urls, "--port", str(port),
+                                    "--part-timeout", "20"], stdout=subprocess.DEVNULL,
+                                   stderr=stderr)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/api/info", process, log)
+        yield f"http://127.0.0.1:{port}", process, parts
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        for server in parts:
+            server.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("media, body", [("text/html", b"<html>Sign in</html>"),
+                                         ("application/json", b'{"detail": "Not Found"}')])
+def test_a_part_s_answer_that_is_not_a_search_names_it_missing(front, media: str,
+                                                                body: bytes) -> None:
+    """split.py merged() reads answer.body["results"] of any 2xx: a part's 200 page that is not
+    a search answer makes the front answer 500, not part 0's results with part 1 missing."""
+    url, _, parts = front
+    parts[1].search = lambda: answering(200, media, body)
+    answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["results"] == GOOD["results"] and answer.json()["exact"] is False
+    assert [missing["part"] for missing in answer.json()["missing_parts"]] == [1]
+
+
+def peak_memory(process: subprocess.Popen) -> int:
+    """The process's peak resident memory (VmHWM), bytes."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]
+               ) * 1024
+
+
+@pytest.mark.slow
+def test_a_part_s_huge_answer_is_not_held_whole(front) -> None:
+    """split.py ask() reads a part's whole answer (httpx, no bound) and then parses it: a part
+    answering HUGE bytes grows the front by more than that (content, text, parsed string), and
+    the answer even says "exact": true with part 1 not missing."""
+    url, process, parts = front
+    parts[1].search = lambda: answering(200, "application/json", GOOD)
+    requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)  # warm
+    before = peak_memory(process)
+    parts[1].search = lambda: (200, "application/json", HUGE, huge_answer())
+    answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)
+    grown = peak_memory(process) - before
+    assert grown < HUGE // 4, f"the front grew by {grown / MIB:.0f} MiB"
+    assert answer.status_code == 200 and answer.json()["exact"] is False, answer.text
+    assert [missing["part"] for missing in answer.json()["missing_parts"]] == [1]
+
+
+@pytest.mark.parametrize("fragments", [b"[" * 100_000 + b"]" * 100_000, b"[[" + b"9" * 400 + b"]]"])
+def test_a_bad_fragments_body_is_a_400(fragments: bytes) -> None:
+    """serve.py fragment_rows() (POST /api/fragments/sentences of a part) catches ValueError,
+    TypeError, KeyError only: deep nesting (RecursionError) and an integer beyond float range
+    (OverflowError) answer 500 "internal error", not a 400 line as every bad input does."""
+    with pytest.raises(HTTPException) as refused:
+        serve.fragment_rows(b'{"fragments": ' + fragments + b"}", 1)
+    assert refused.value.status_code == 400
