@@ -281,7 +281,7 @@ def fragment_rows(body: bytes, dims: int) -> torch.Tensor:
               "numbers")
     try:
         rows = np.asarray(json.loads(body)["fragments"], np.float32)
-    except (ValueError, TypeError, KeyError) as err:
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as err:
         raise HTTPException(400, f"{wanted} ({describe(err)})") from None
     if rows.ndim != 2 or rows.shape[1] != dims or not 1 <= len(rows) <= MAX_FRAGMENTS:
         raise HTTPException(400, f"{wanted} (got the shape {list(rows.shape)})")

@@ -20,24 +20,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from defrag.cli import describe
 from defrag.urls import redact
 from trainer.search.web import (
     MAX_K,
+    MIB,
     STATIC,
     UPLOAD_READ_SECONDS,
     UPLOAD_WAIT_SECONDS,
@@ -52,6 +55,9 @@ log = logging.getLogger(__name__)
 OWNERS = 4096  # image names whose part the front remembers (the most recently seen)
 CONNECTIONS = 8  # the pool's connections per part (4 kept alive between requests)
 STARTUP_WAIT = 60.0  # seconds the front waits for a part that is still starting
+ANSWER_BYTES = 16 * MIB  # the most of a part's answer read (k <= MAX_K hits, an image's
+# fragments, an explanation): a larger one is a missing part; image files are passed through
+SEARCH_FIELDS = {"results": list, "exact": bool, "gap": (int, float), "scored": int}
 
 
 @dataclass(frozen=True)
@@ -121,44 +127,36 @@ class PartClient:
         return sum(part.info[key] for part in self.parts)
 
     async def ask(self, part: Part, method: str, path: str, **request: Any) -> Answer:
-        """One request to one part, answered within the timeout or counted as missing."""
+        """One request to one part, answered within the timeout in at most ANSWER_BYTES, or
+        counted as missing."""
         assert self.client is not None
         try:
-            async with asyncio.timeout(self.timeout):
-                response = await self.client.request(method, part.url + path, **request)
+            async with asyncio.timeout(self.timeout), self.client.stream(
+                    method, part.url + path, **request) as response:
+                content = await read_at_most(response, ANSWER_BYTES)
         except (TimeoutError, httpx.TimeoutException):
             return Answer(part, error=f"timed out after {self.timeout:g} s")
         except httpx.TransportError as err:
             return Answer(part, error=f"failed: {describe(err)}")
-        media = response.headers.get("content-type", "")
-        body: Any = response.content
-        if media.startswith("application/json"):
-            try:
-                body = response.json()
-            except ValueError:
-                return Answer(part, response.status_code, error="answered damaged JSON")
-        answer = Answer(part, response.status_code, body, media)
-        if answer.refused:
-            answer.error = f"answered {answer.status}: {body['error']}"
-        elif not 200 <= answer.status < 300:
-            answer.error = f"answered HTTP {answer.status}"  # its text may name its disk
-        return answer
+        return answer_of(part, response, content)
 
     async def ask_all(self, method: str, path: str, **request: Any) -> list[Answer]:
         """The same request to every part at once; their answers in part order."""
         return list(await asyncio.gather(*(self.ask(part, method, path, **request)
                                            for part in self.parts)))
 
-    async def first_ok(self, parts: list[Part], path: str,
-                       params: dict[str, str]) -> tuple[Answer | None, list[Answer]]:
-        """GET `path` of `parts` at once: the first answer that is not an error (the others
-        are then cancelled), or None; and the answers heard."""
+    async def first_ok(self, parts: list[Part], path: str, params: dict[str, str],
+                       valid: Callable[[Any], bool]) -> tuple[Answer | None, list[Answer]]:
+        """GET `path` of `parts` at once: the first answer that is not an error and whose body
+        is `valid` (the others are then cancelled), or None; and the answers heard."""
         tasks = [asyncio.create_task(self.ask(part, "GET", path, params=params))
                  for part in parts]
         heard = []
         try:
             for next_one in asyncio.as_completed(tasks):
                 heard.append(await next_one)
+                if heard[-1].ok and not valid(heard[-1].body):
+                    heard[-1].error = f"answered HTTP {heard[-1].status}, not {path}'s answer"
                 if heard[-1].ok:
                     return heard[-1], heard
             return None, heard
@@ -193,6 +191,9 @@ class PartClient:
         """The best k of the parts' results, each with its part (see the module doc), and
         their proof: exact when every part answered an exact top k; `gap`, the highest bound
         an inexact part left minus the k-th score; "missing_parts"."""
+        for answer in answers:
+            if answer.ok and not is_search(answer.body):
+                answer.error = f"answered HTTP {answer.status}, not a search's answer"
         answered = [answer for answer in answers if answer.ok]
         if not answered:
             raise self.refusal(answers, asked)
@@ -220,7 +221,9 @@ class PartClient:
         remembered for it, else of every part; HTTPException when none can say (`refusal`)."""
         known = self.owners.get(name)
         found, heard = await self.first_ok(self.parts if known is None else [self.parts[known]],
-                                           "/api/fragments", {"image": name})
+                                           "/api/fragments", {"image": name},
+                                           lambda body: isinstance(body, dict) and isinstance(
+                                               body.get("fragments"), list))
         if found is None:
             raise self.refusal(heard, "/api/fragments")
         self.remember(name, found.part.number)
@@ -234,6 +237,30 @@ class PartClient:
             return (Response(answer.body, media_type=answer.media)
                     if isinstance(answer.body, bytes) else JSONResponse(answer.body))
         raise self.refusal([answer], path)
+
+    async def file_at_owner(self, name: str) -> Response:
+        """The indexed image file `name` from its part, passed through a chunk at a time (never
+        held whole: a file may be larger than ANSWER_BYTES)."""
+        assert self.client is not None
+        part, _ = await self.fragments_of(name)
+        path = f"/images/{quote(name, safe='')}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self.client.send(self.client.build_request(
+                    "GET", part.url + path), stream=True)
+        except (TimeoutError, httpx.TimeoutException):
+            raise self.refusal([Answer(part, error=f"timed out after {self.timeout:g} s")],
+                               path) from None
+        except httpx.TransportError as err:
+            raise self.refusal([Answer(part, error=f"failed: {describe(err)}")], path) from None
+        if response.status_code != 200:
+            try:
+                content = await read_at_most(response, ANSWER_BYTES)
+            finally:
+                await response.aclose()
+            raise self.refusal([answer_of(part, response, content)], path)
+        return StreamingResponse(response.aiter_raw(), media_type=response.headers.get(
+            "content-type"), background=BackgroundTask(response.aclose))
 
     def app(self, max_upload_bytes: int, upload_slots: int) -> FastAPI:
         """The web app of the front: serve.py's page and API over the parts."""
@@ -330,7 +357,7 @@ class PartClient:
         @app.get("/images/{name}", summary="An indexed image file (its part's)")
         async def image_file(name: str) -> Response:
             try:
-                return await self.at_owner(name, f"/images/{quote(name, safe='')}", {})
+                return await self.file_at_owner(name)
             except HTTPException as err:  # an unknown name: 404, as the one-part index
                 raise HTTPException(404 if err.status_code == 400 else err.status_code,
                                     err.detail) from err
@@ -340,6 +367,48 @@ class PartClient:
             return FileResponse(STATIC / "index.html")
 
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+
+def answer_of(part: Part, response: httpx.Response, content: bytes | None) -> Answer:
+    """A part's answer from its response and body (None: over ANSWER_BYTES): JSON parsed, an
+    error unless 2xx; a 4xx {"error": line} kept as the part's refusal of the input."""
+    if content is None:
+        return Answer(part, response.status_code,
+                      error=f"answered more than {ANSWER_BYTES / MIB:g} MiB")
+    media = response.headers.get("content-type", "")
+    body: Any = content
+    if media.startswith("application/json"):
+        try:
+            body = json.loads(content)
+        except (ValueError, RecursionError):
+            return Answer(part, response.status_code, error="answered damaged JSON")
+    answer = Answer(part, response.status_code, body, media)
+    if answer.refused:
+        answer.error = f"answered {answer.status}: {body['error']}"
+    elif not 200 <= answer.status < 300:
+        answer.error = f"answered HTTP {answer.status}"  # its text may name its disk
+    return answer
+
+
+async def read_at_most(response: httpx.Response, limit: int) -> bytes | None:
+    """The body of a streamed response, or None once it is over `limit` bytes."""
+    if int(response.headers.get("content-length") or 0) > limit:
+        return None
+    content = bytearray()
+    async for chunk in response.aiter_bytes():
+        content += chunk
+        if len(content) > limit:
+            return None
+    return bytes(content)
+
+
+def is_search(body: Any) -> bool:
+    """Whether a part's body is a search's answer (serve.py's): its fields of their types, each
+    result with a number as its score."""
+    return (isinstance(body, dict)
+            and all(isinstance(body.get(key), kind) for key, kind in SEARCH_FIELDS.items())
+            and all(isinstance(hit, dict) and isinstance(hit.get("score"), (int, float))
+                    for hit in body["results"]))
 
 
 def sentences(hits: list[tuple[dict[str, Any], int]]) -> list[dict[str, Any]]:

@@ -1,10 +1,10 @@
-"""An independent review of the split index's front (trainer/search/split.py): failing by design,
-each test shows a defect for the front's owner to fix. The front is the real `defrag serve
---parts` process; its two parts are small HTTP servers in this process that answer /api/info as
-parts 0 and 1 of one merge would, part 0 a well-formed search, part 1 what a misconfigured or
-compromised part (or a proxy before it) may send: a page that is not JSON, JSON that is not a
-search answer, or a huge body. docs/search-app.md: a part that fails is named in
-"missing_parts" and the other parts' results come back; the front's memory is bounded."""
+"""The split index's front (trainer/search/split.py) against parts that answer badly: the front is
+the real `defrag serve --parts` process; its two parts are small HTTP servers in this process that
+answer /api/info as parts 0 and 1 of one merge would, part 0 a well-formed search, part 1 what a
+misconfigured or compromised part (or a proxy before it) may send: a page that is not JSON, JSON
+that is not a search's answer, or a huge body. docs/search-app.md: such a part is named in
+"missing_parts", the other parts' results come back, and the front reads at most ANSWER_BYTES of
+an answer. Also a part's refusal of fragment bodies that break the JSON parser (a 400 line)."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subpr
                                          ("application/json", b'{"detail": "Not Found"}')])
 def test_a_part_s_answer_that_is_not_a_search_names_it_missing(front, media: str,
                                                                 body: bytes) -> None:
-    """split.py merged() reads answer.body["results"] of any 2xx: a part's 200 page that is not
-    a search answer makes the front answer 500, not part 0's results with part 1 missing."""
+    """A part's 200 that is not a search's answer (a login page, another API's JSON) is a
+    missing part: part 0's results, "exact": false."""
     url, _, parts = front
     parts[1].search = lambda: answering(200, media, body)
     answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)
@@ -123,9 +123,8 @@ def peak_memory(process: subprocess.Popen) -> int:
 
 @pytest.mark.slow
 def test_a_part_s_huge_answer_is_not_held_whole(front) -> None:
-    """split.py ask() reads a part's whole answer (httpx, no bound) and then parses it: a part
-    answering HUGE bytes grows the front by more than that (content, text, parsed string), and
-    the answer even says "exact": true with part 1 not missing."""
+    """A part answering HUGE bytes (8x ANSWER_BYTES) is cut off and named missing: the front
+    grows by less than a quarter of it."""
     url, process, parts = front
     parts[1].search = lambda: answering(200, "application/json", GOOD)
     requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)  # warm
@@ -140,9 +139,8 @@ def test_a_part_s_huge_answer_is_not_held_whole(front) -> None:
 
 @pytest.mark.parametrize("fragments", [b"[" * 100_000 + b"]" * 100_000, b"[[" + b"9" * 400 + b"]]"])
 def test_a_bad_fragments_body_is_a_400(fragments: bytes) -> None:
-    """serve.py fragment_rows() (POST /api/fragments/sentences of a part) catches ValueError,
-    TypeError, KeyError only: deep nesting (RecursionError) and an integer beyond float range
-    (OverflowError) answer 500 "internal error", not a 400 line as every bad input does."""
+    """POST /api/fragments/sentences of a part: deep nesting (RecursionError) and an integer
+    beyond float range (OverflowError) are a 400 line, as every bad input is."""
     with pytest.raises(HTTPException) as refused:
         serve.fragment_rows(b'{"fragments": ' + fragments + b"}", 1)
     assert refused.value.status_code == 400
