@@ -24,6 +24,7 @@ import trainer.search.serve as serve
 from tests import DEFRAG
 from tests.cluster import free_port
 from tests.test_split_index import wait_for
+from trainer.search.split import PartClient
 
 MIB = 2**20
 HUGE = 128 * MIB  # part 1's answer of a search in test_a_part_s_huge_answer_is_not_held_whole
@@ -36,11 +37,12 @@ class Part(BaseHTTPRequestHandler):
     `server.search()`: (status, content type, body length, body chunks)."""
 
     def do_GET(self) -> None:
+        self.server.seen.append(self.path)
         if self.path == "/api/info":
             self.answer(*answering(200, "application/json", {
                 "model": "m", "model_key": "k", "images": 1, "sentences": 1,
                 "max_query_chars": 1000, "max_image_pixels": 1,
-                "split": {"id": "one", "part": self.server.number, "parts": 2}}))
+                "split": {"id": self.server.split_id, "part": self.server.number, "parts": 2}}))
         else:
             self.answer(*self.server.search())
 
@@ -73,17 +75,28 @@ def huge_answer() -> Iterator[bytes]:
     yield tail
 
 
-@pytest.fixture(scope="module")
-def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen,
-                                                                        list[ThreadingHTTPServer]]]:
-    """The two parts (in threads) and the front (a process, its part timeout 20 s)."""
+def fake_parts(*split_ids: str) -> list[ThreadingHTTPServer]:
+    """Parts 0, 1, ... of the splits named (in threads), each answering GOOD until told else."""
     parts = []
-    for number in range(2):
+    for number, split_id in enumerate(split_ids):
         server = ThreadingHTTPServer(("127.0.0.1", 0), Part)
-        server.number, server.search = number, lambda: answering(200, "application/json", GOOD)
+        server.number, server.split_id, server.seen = number, split_id, []
+        server.search = lambda: answering(200, "application/json", GOOD)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         parts.append(server)
-    urls = ",".join(f"http://127.0.0.1:{server.server_address[1]}" for server in parts)
+    return parts
+
+
+def urls_of(parts: list[ThreadingHTTPServer]) -> list[str]:
+    return [f"http://127.0.0.1:{server.server_address[1]}" for server in parts]
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[str, subprocess.Popen, list[ThreadingHTTPServer], Path]]:
+    """The two parts (in threads) and the front (a process, its part timeout 20 s, its log)."""
+    parts = fake_parts("one", "one")
+    urls = ",".join(urls_of(parts))
     port, log = free_port(), Path(tmp_path_factory.mktemp("review")) / "front.log"
     with log.open("w") as stderr:
         process = subprocess.Popen([DEFRAG, "serve", "--parts", urls, "--port", str(port),
@@ -91,12 +104,20 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subpr
                                    stderr=stderr)
     try:
         wait_for(f"http://127.0.0.1:{port}/api/info", process, log)
-        yield f"http://127.0.0.1:{port}", process, parts
+        yield f"http://127.0.0.1:{port}", process, parts, log
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         for server in parts:
             server.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def good_parts(request: pytest.FixtureRequest) -> None:
+    """Every part of the `front` answers GOOD at the start of each test that uses it."""
+    if "front" in request.fixturenames:
+        for part in request.getfixturevalue("front")[2]:
+            part.search = lambda: answering(200, "application/json", GOOD)
 
 
 @pytest.mark.slow
@@ -106,7 +127,7 @@ def test_a_part_s_answer_that_is_not_a_search_names_it_missing(front, media: str
                                                                 body: bytes) -> None:
     """A part's 200 that is not a search's answer (a login page, another API's JSON) is a
     missing part: part 0's results, "exact": false."""
-    url, _, parts = front
+    url, _, parts, _ = front
     parts[1].search = lambda: answering(200, media, body)
     answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -125,8 +146,7 @@ def peak_memory(process: subprocess.Popen) -> int:
 def test_a_part_s_huge_answer_is_not_held_whole(front) -> None:
     """A part answering HUGE bytes (8x ANSWER_BYTES) is cut off and named missing: the front
     grows by less than a quarter of it."""
-    url, process, parts = front
-    parts[1].search = lambda: answering(200, "application/json", GOOD)
+    url, process, parts, _ = front
     requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60)  # warm
     before = peak_memory(process)
     parts[1].search = lambda: (200, "application/json", HUGE, huge_answer())
@@ -144,3 +164,51 @@ def test_a_bad_fragments_body_is_a_400(fragments: bytes) -> None:
     with pytest.raises(HTTPException) as refused:
         serve.fragment_rows(b'{"fragments": ' + fragments + b"}", 1)
     assert refused.value.status_code == 400
+
+
+@pytest.mark.slow
+def test_a_part_s_500_text_is_not_passed_on(front) -> None:
+    """A part's 500 may name its disk: the front says "answered HTTP 500", in the answer and the
+    log, and never the part's text."""
+    url, _, parts, log = front
+    parts[1].search = lambda: answering(500, "application/json", {"error": "/srv/secret broke"})
+    answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60).json()
+    assert answer["missing_parts"][0]["error"] == "answered HTTP 500", answer
+    assert "secret" not in json.dumps(answer) and "secret" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_an_inexact_part_s_gap_is_the_merged_gap(front) -> None:
+    """Part 1 not certified, its k-th at 1.0 with a gap of 0.75 (so it bounds what it left at
+    1.75): the merged top k of 1.5 and 1.0 has the gap 1.75 - 1.0, and "exact": false."""
+    url, _, parts, _ = front
+    parts[1].search = lambda: answering(200, "application/json", {
+        **GOOD, "exact": False, "gap": 0.75,
+        "results": [{"rank": 1, "image": "b.png", "score": 1.0, "url": "/images/b.png"}]})
+    answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60).json()
+    assert [hit["image"] for hit in answer["results"]] == ["a.png", "b.png"]
+    assert (answer["exact"], answer["gap"], answer["missing_parts"]) == (False, 0.75, [])
+
+
+@pytest.mark.slow
+def test_an_image_name_reaches_its_part_quoted(front) -> None:
+    """/images/NAME goes to the part that holds it with the name percent-quoted: a '?' or '#'
+    in it cannot become the part's query string or fragment."""
+    url, _, parts, _ = front
+    for part in parts:
+        part.search = lambda: answering(200, "application/json", {
+            "image": "a?b#c.png", "fragments": [[0.5, 0.25]]})
+        part.seen.clear()
+    requests.get(f"{url}/images/a%3Fb%23c.png", timeout=60)
+    assert "/images/a%3Fb%23c.png" in parts[0].seen + parts[1].seen, parts[0].seen
+
+
+def test_parts_of_two_merges_are_refused() -> None:
+    """Parts 0 and 1 whose split ids differ (two merges of --parts 2) are not one split."""
+    parts = fake_parts("one", "two")
+    try:
+        with pytest.raises(ValueError, match="the parts come from different merges"):
+            PartClient.connect(urls_of(parts), 1.0, wait=0)
+    finally:
+        for server in parts:
+            server.shutdown()
