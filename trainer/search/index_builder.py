@@ -439,6 +439,7 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
             origins += meta["sentence_origins"]
     _refuse_repeated(repeated)
     images = FragmentSet.concat(image_parts)
+    image_parts.clear()  # the parts' rows freed before the index is written (4 GB at 1M images)
     if not images.items:
         raise RetrievalError(f"none of the {sum(size for size, _ in record['units'])} images "
                              f"could be used ({problems[:3]}...)")
