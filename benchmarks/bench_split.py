@@ -136,7 +136,8 @@ def main() -> None:
     print(f"split {args.split}: {len(listed)} parts, {len(whole.image_names)} images; "
           f"{len(rows)} text queries at the front, top {args.top}:")
     print(f"  certified {100 * certified:.1f}%, the exact scan's top {args.top} "
-          f"{100 * same:.1f}%, parts missing in {sum(r['missing'] > 0 for r in rows)}; "
+          f"{100 * same:.1f}% of {len(checked)} checked, parts missing in "
+          f"{sum(r['missing'] > 0 for r in rows)}; "
           f"p50 {np.median(ms):.1f} ms, p95 {np.percentile(ms, 95):.1f} ms")
     print(f"  memory (RSS): parts {', '.join(f'{g:.2f}' for g in rss[:-1])} GiB, front "
           f"{rss[-1]:.2f} GiB")
