@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import io
 import json
+import os
 import re
 import shutil
 import socket
@@ -533,6 +534,32 @@ def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> 
     assert not [worker for worker in workers if worker.is_running()]
 
 
+def test_workers_stop_when_their_supervisor_is_killed(world: SearchWorld) -> None:
+    """`defrag serve --workers 2` killed by SIGKILL (kill -9, the OOM killer): its workers stop
+    too instead of serving the port on their own (a new server could not bind it)."""
+    port = free_port()
+    server = subprocess.Popen([DEFRAG, "serve", "--index", str(world.index), "--port", str(port),
+                               "--workers", "2"], stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}/api/info", time.monotonic() + 120
+    rows = str((world.index / "images.safetensors").resolve())
+    workers: list[psutil.Process] = []
+    try:
+        while len(workers) < 2 or not answers(url):
+            assert server.poll() is None and time.monotonic() < deadline, "no 2 workers"
+            time.sleep(0.2)
+            workers = [child for child in psutil.Process(server.pid).children()
+                       if rows in {m.path for m in child.memory_maps()}]
+        server.kill()
+        server.wait(timeout=60)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"{len(alive)} workers still running after their supervisor was killed"
+        assert not answers(url)
+    finally:
+        for process in [server, *workers]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()
+
+
 def connections_held(workers: list[psutil.Process], port: int, url: str,
                      world: SearchWorld) -> list[int]:
     """16 clients search at once, each on a connection of its own (kept alive, so it stays with
@@ -593,6 +620,7 @@ def test_a_worker_opens_its_index_with_its_share_of_threads(world: SearchWorld,
                                     max_upload_bytes=UPLOAD_LIMIT, max_image_pixels=4000,
                                     upload_slots=1, threads=1)
     monkeypatch.setenv(serve.SETTINGS_VARIABLE, settings.to_json())
+    monkeypatch.setenv(serve.SUPERVISOR_VARIABLE, str(os.getppid()))
     try:
         with serving(serve.app_from_env()) as base:
             info = requests.get(f"{base}/api/info").json()

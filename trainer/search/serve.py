@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import io
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -86,6 +88,8 @@ log = logging.getLogger(__name__)
 MAX_FRAGMENTS = 1000  # rows of the image POST /api/fragments/sentences searches with
 MAX_DEFAULT_WORKERS = 8  # a large node's CPUs go to threads beyond this, not to more copies
 SETTINGS_VARIABLE = "DEFRAG_SERVE_WORKER"  # main() passes the workers their settings (JSON) in it
+SUPERVISOR_VARIABLE = "DEFRAG_SERVE_SUPERVISOR"  # ... and the pid of the process that started them
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 LOG_FORMAT = "%(levelname)s %(message)s"
 PART_TIMEOUT = 2.0  # seconds the front of a split index waits for each part's answer
 
@@ -339,6 +343,7 @@ def app_from_env() -> FastAPI:
     start-up failure status, on which uvicorn stops the server (on any other it would start the
     worker again, and again)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    stop_with_supervisor(int(os.environ[SUPERVISOR_VARIABLE]))
     settings = WorkerSettings(**json.loads(os.environ[SETTINGS_VARIABLE]))
     try:
         index = SearchIndex.open(Path(settings.index), settings.model and Path(settings.model),
@@ -348,6 +353,16 @@ def app_from_env() -> FastAPI:
         log.error("defrag serve: error: worker %d: %s", os.getpid(), describe(err),
                   exc_info=settings.debug)
         sys.exit(STARTUP_FAILURE)
+
+
+def stop_with_supervisor(supervisor: int) -> None:
+    """Linux: this worker gets SIGTERM (uvicorn's graceful stop) when its supervisor dies, so a
+    `defrag serve` killed by SIGKILL (kill -9, the OOM killer) leaves no worker on its port."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_app(index: SearchIndex, settings: WorkerSettings) -> FastAPI:
@@ -462,6 +477,7 @@ def serve_in_workers(settings: WorkerSettings, host: str, port: int, workers: in
     """uvicorn's supervisor and its `workers` processes (app_from_env) on one listening socket,
     until interrupted; exit status 1 if workers could not start."""
     os.environ[SETTINGS_VARIABLE] = settings.to_json()
+    os.environ[SUPERVISOR_VARIABLE] = str(os.getpid())
     config = uvicorn.Config("trainer.search.serve:app_from_env", factory=True, host=host,
                             port=port, workers=workers)
     # uvicorn binds it with protocol 0, for which asyncio leaves Nagle's algorithm on: each
