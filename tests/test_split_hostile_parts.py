@@ -12,7 +12,7 @@ import json
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,7 +24,8 @@ import trainer.search.serve as serve
 from tests import DEFRAG
 from tests.cluster import free_port
 from tests.test_split_index import wait_for
-from trainer.search.split import PartClient
+from trainer.search.split import REPLACED, PartClient
+from trainer.search.web import SPLIT_HEADER
 
 MIB = 2**20
 HUGE = 128 * MIB  # part 1's answer of a search in test_a_part_s_huge_answer_is_not_held_whole
@@ -34,7 +35,8 @@ GOOD = {"query": "q", "exact": True, "gap": 0.0, "scored": 1, "results": [
 
 class Part(BaseHTTPRequestHandler):
     """Part `server.number` of a two-part split: its /api/info, and for a search
-    `server.search()`: (status, content type, body length, body chunks)."""
+    `server.search()`: (status, content type, body length, body chunks); every answer with
+    the split header `server.label(path)`."""
 
     def do_GET(self) -> None:
         self.server.seen.append(self.path)
@@ -50,6 +52,7 @@ class Part(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", media)
         self.send_header("Content-Length", str(size))
+        self.send_header(SPLIT_HEADER, self.server.label(self.path))
         self.end_headers()
         for chunk in chunks:
             self.wfile.write(chunk)
@@ -82,9 +85,15 @@ def fake_parts(*split_ids: str) -> list[ThreadingHTTPServer]:
         server = ThreadingHTTPServer(("127.0.0.1", 0), Part)
         server.number, server.split_id, server.seen = number, split_id, []
         server.search = lambda: answering(200, "application/json", GOOD)
+        server.label = labelled(server)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         parts.append(server)
     return parts
+
+
+def labelled(server: ThreadingHTTPServer) -> Callable[[str], str]:
+    """The split header of the part `server` is, whatever the path."""
+    return lambda path: f"{server.split_id} {server.number}/2"
 
 
 def urls_of(parts: list[ThreadingHTTPServer]) -> list[str]:
@@ -118,6 +127,7 @@ def good_parts(request: pytest.FixtureRequest) -> None:
     if "front" in request.fixturenames:
         for part in request.getfixturevalue("front")[2]:
             part.search = lambda: answering(200, "application/json", GOOD)
+            part.label = labelled(part)
 
 
 @pytest.mark.slow
@@ -201,6 +211,26 @@ def test_an_image_name_reaches_its_part_quoted(front) -> None:
         part.seen.clear()
     requests.get(f"{url}/images/a%3Fb%23c.png", timeout=60)
     assert "/images/a%3Fb%23c.png" in parts[0].seen + parts[1].seen, parts[0].seen
+
+
+@pytest.mark.slow
+def test_a_part_that_now_serves_another_index_is_missing(front) -> None:
+    """Part 1 restarted on another merge since the front checked it (its answers' split header
+    differs): a search is part 0's alone, "exact": false, naming part 1; an image file whose
+    answer has another split header is not passed on (503)."""
+    url, _, parts, _ = front
+    parts[1].label = lambda path: "two 1/2"
+    answer = requests.get(f"{url}/api/search", params={"q": "q", "k": 5}, timeout=60).json()
+    assert [hit["image"] for hit in answer["results"]] == ["a.png"]
+    assert answer["exact"] is False
+    assert [(m["part"], m["error"]) for m in answer["missing_parts"]] == [(1, REPLACED)]
+    for part in parts:  # the fragments of a.png (which finds its part) come well labelled
+        part.search = lambda: answering(200, "application/json", {
+            "image": "a.png", "fragments": [[0.5, 0.25]]})
+        part.label = lambda path, part=part: ("two 0/2" if path.startswith("/images/")
+                                              else f"one {part.number}/2")
+    image = requests.get(f"{url}/images/a.png", timeout=60)
+    assert image.status_code == 503 and REPLACED in image.json()["error"], image.text
 
 
 def test_parts_of_two_merges_are_refused() -> None:

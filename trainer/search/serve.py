@@ -76,11 +76,13 @@ from trainer.search.web import (
     UPLOAD_READ_SECONDS,
     UPLOAD_SLOTS,
     UPLOAD_WAIT_SECONDS,
+    SplitHeader,
     UploadSlots,
     answer_errors_in_one_line,
     image_url,
     read_body,
     refuse_by_headers,
+    split_label,
 )
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,8 @@ def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UP
     _add_explain(app, index)
     _add_fragments(app, index, max_upload_bytes)
     _add_files(app, index)
+    if "split" in index.meta:
+        app.add_middleware(SplitHeader, label=split_label(index.meta["split"]))
     return app
 
 

@@ -8,7 +8,9 @@ each part's order: the one-part index's, whose ties go in index order, of which 
 consecutive slices. It is certified ("exact") when every part answered and each part's is. A
 part that fails or does not answer within the timeout is left out: the answer holds the other
 parts' results, "exact": false and "missing_parts" naming it, and the front logs one WARNING
-line; the part's error text is never passed on (a part's refusal of a bad input, 4xx, is).
+line; the part's error text is never passed on (a part's refusal of a bad input, 4xx, is). Every
+answer of a part names its split and part (SPLIT_HEADER): one that names another than the front
+checked at its start (the part's server restarted on another index) is a missing part too.
 
 An indexed image's sentences: the part that holds it sends its fragments (GET /api/fragments),
 which every part searches with (POST /api/fragments/sentences); an uploaded image is sent to
@@ -41,6 +43,7 @@ from defrag.urls import redact
 from trainer.search.web import (
     MAX_K,
     MIB,
+    SPLIT_HEADER,
     STATIC,
     UPLOAD_READ_SECONDS,
     UPLOAD_WAIT_SECONDS,
@@ -48,6 +51,7 @@ from trainer.search.web import (
     answer_errors_in_one_line,
     image_url,
     refuse_by_headers,
+    split_label,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ STARTUP_WAIT = 60.0  # seconds the front waits for a part that is still starting
 ANSWER_BYTES = 16 * MIB  # the most of a part's answer read (k <= MAX_K hits, an image's
 # fragments, an explanation): a larger one is a missing part; image files are passed through
 SEARCH_FIELDS = {"results": list, "exact": bool, "gap": (int, float), "scored": int}
+REPLACED = ("answers for another index than the part checked when the front started (its "
+            f"{SPLIT_HEADER} header): serve that part again, or restart the front")
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class Part:
     def shown(self) -> str:
         """The URL as logs and answers show it: a password in it masked."""
         return redact(self.url)
+
+    @property
+    def label(self) -> str | None:
+        """The SPLIT_HEADER its answers must carry: the split and part checked at the start."""
+        return split_label(self.info.get("split"))
 
 
 @dataclass
@@ -253,7 +264,7 @@ class PartClient:
                                path) from None
         except httpx.TransportError as err:
             raise self.refusal([Answer(part, error=f"failed: {describe(err)}")], path) from None
-        if response.status_code != 200:
+        if response.status_code != 200 or response.headers.get(SPLIT_HEADER) != part.label:
             try:
                 content = await read_at_most(response, ANSWER_BYTES)
             finally:
@@ -375,6 +386,8 @@ def answer_of(part: Part, response: httpx.Response, content: bytes | None) -> An
     if content is None:
         return Answer(part, response.status_code,
                       error=f"answered more than {ANSWER_BYTES / MIB:g} MiB")
+    if response.headers.get(SPLIT_HEADER) != part.label:
+        return Answer(part, response.status_code, error=REPLACED)
     media = response.headers.get("content-type", "")
     body: Any = content
     if media.startswith("application/json"):

@@ -27,6 +27,7 @@ UPLOAD_SLOTS = 1  # uploads a worker decodes at once: memory grows by workers x 
 UPLOAD_WAIT_SECONDS = 10.0  # an upload waits this long for a slot, its body unread, then 503
 UPLOAD_READ_SECONDS = 60.0  # a slot's upload must arrive within this, then 408 (a slow sender)
 RETRY_AFTER_SECONDS = 5  # what a 503 for a busy server tells the client to wait
+SPLIT_HEADER = "x-defrag-split"  # on every answer of a part of a split index: "ID PART/PARTS"
 
 
 def answer_errors_in_one_line(app: FastAPI) -> None:
@@ -132,6 +133,28 @@ def refuse_by_headers(request: Request, max_upload_bytes: int) -> None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_upload_bytes:
         raise too_big(max_upload_bytes)
+
+
+def split_label(split: dict[str, Any] | None) -> str | None:
+    """SPLIT_HEADER's value for a part of a split index (its index.json's `split`), None for an
+    index that is not a part."""
+    return None if split is None else f"{split['id']} {split['part']}/{split['parts']}"
+
+
+class SplitHeader:
+    """ASGI middleware of a part's server: every answer carries SPLIT_HEADER, so that a front
+    (trainer/search/split.py) tells a part that now serves another index from the one it checked
+    at its start."""
+
+    def __init__(self, app: Any, label: str) -> None:
+        self.app, self.header = app, (SPLIT_HEADER.encode(), label.encode())
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_labelled(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+        await self.app(scope, receive, send_labelled if scope["type"] == "http" else send)
 
 
 def image_url(name: str) -> str:
