@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import trainer.search.index_builder as index_builder
 from defrag.tasks import Task, task_from
@@ -31,8 +33,9 @@ from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
-from trainer.search.index import SearchIndex
-from trainer.store.model_folder import save_model_folder
+from trainer.search.embedder import embed_images
+from trainer.search.index import SearchIndex, load_one_model, memory_map
+from trainer.store.model_folder import ModelFolder, save_model_folder
 
 INDEX_FILES = ("index.json", "images.safetensors", "images.faiss", "sentences.safetensors",
                "sentences.faiss")
@@ -121,6 +124,24 @@ def test_tasks_then_a_merge_build_what_one_process_does(collection: Collection, 
     assert again["embedded"] == 0  # a rerun resumes: its units are done
     assert index("--merge", "--out", split, capsys=capsys) == whole | {"index": str(split)}
     assert_same_index(split, tmp_path / "whole")
+    holds_each_images_fragments(split, collection)
+
+
+def holds_each_images_fragments(built: Path, collection: Collection) -> None:
+    """Each image's rows in the index are its fragments embedded on their own (to fp16), so a
+    merge that lost the units' offsets cannot match a build that lost them the same way."""
+    names = json.loads((built / "index.json").read_text())["images"]
+    stored = memory_map(built / "images.safetensors")
+    embedder = load_one_model(ModelFolder.open(collection.model), None, None, None)
+    for k, name in enumerate(names):
+        alone, _ = embed_images([collection.images / name], embedder, skip_bad=False,
+                                progress=False)
+        first, end = stored["start"][k], stored["start"][k + 1]
+        rows = torch.from_numpy(stored["rows"][first:end].astype(np.float32)
+                                * stored["scale"][first:end, None])
+        assert rows.shape == alone.embeddings.shape, name
+        scale = float(alone.embeddings.abs().max())  # fp16 keeps ~3 digits of a row's largest
+        torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale, msg=name)
 
 
 def test_shards_at_a_url_with_credentials_leave_them_out_of_the_build_and_the_index(
@@ -167,8 +188,9 @@ def test_a_merge_with_a_task_missing_names_it(collection: Collection, tmp_path: 
 
 def damaged_parts_are_named_and_embedded_again(collection: Collection, out: Path,
                                                capsys) -> None:
-    """Parts lost, cut short or altered after their JSON: the merge names each file (an altered
-    one by its sha256), and a rerun of its task embeds that unit again."""
+    """Parts lost, cut short or altered after their JSON (a value, or the header the merge sizes
+    its arrays by): the merge names each file (an altered one by its sha256), and a rerun of
+    its task embeds that unit again."""
     def task(number: int) -> dict:
         return index("--model", collection.model, "--shards", collection.shards, "--split",
                      "val", "--workers", "1", "--out", out, "--task", number, "--tasks", 2,
@@ -191,6 +213,14 @@ def damaged_parts_are_named_and_embedded_again(collection: Collection, out: Path
     with pytest.raises(SystemExit, match=(
             rf"{parts}/000000.st is not what its unit wrote \(its sha256 is not the one "
             r"000000.json records\): run task 0 of 2 again")):
+        index_builder.main(["--merge", "--out", str(out)])
+    assert task(0)["embedded"] == 1
+    header = bytearray((parts / "000002.st").read_bytes())
+    header[9] ^= 0xFF  # its JSON header, which sizes the merge's arrays
+    (parts / "000002.st").write_bytes(header)
+    with pytest.raises(SystemExit, match=(
+            rf"{parts}/000002.st is not what its unit wrote \(its sha256 is not the one "
+            r"000002.json records\): run task 0 of 2 again")):
         index_builder.main(["--merge", "--out", str(out)])
     assert task(0)["embedded"] == 1
     assert index("--merge", "--out", out, capsys=capsys)["images"] == 8

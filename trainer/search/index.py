@@ -241,36 +241,89 @@ def exact_keys(stored: StoredRows, start: torch.Tensor,
     return keys
 
 
-def write_collection(folder: Path, stem: str, fragments: FragmentSet, score: str) -> None:
-    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc); refused
-    with one line naming them if some fragments are not finite (no bound would hold)."""
-    finite = torch.isfinite(fragments.embeddings).all(dim=1)
-    if not finite.all():
-        bad = sorted(set(fragments.owner[~finite].tolist()))
-        named = ", ".join(str(fragments.items[b]) for b in bad[:3])
-        raise RetrievalError(f"{len(bad)} of the {len(fragments.items)} {stem} have fragments "
-                             f"that are not finite (NaN or inf), e.g. {named}: the model gives "
-                             f"them for these inputs; check the model, or leave them out")
-    start = torch.zeros(len(fragments.items) + 1, dtype=torch.long)
-    start[1:] = fragments.counts.cumsum(0)
-    scale = torch.ones(len(fragments.embeddings))  # each row's largest magnitude
-    rows = torch.empty(fragments.embeddings.shape, dtype=torch.float16)
-    for first in range(0, len(rows), BLOCK):  # bounded float32 copies
-        rows[first:first + BLOCK], scale[first:first + BLOCK] = quantize(
-            fragments.embeddings[first:first + BLOCK])
-    stored = StoredRows(rows, scale)
+@dataclasses.dataclass
+class StoredFragments:
+    """One side's fragments as an index stores them (rows fp16 times each row's `scale`), made
+    once at full size and filled in order, so a merge holds no float32 rows and no part twice
+    (2,000,000 region rows: 4 GB, not 16)."""
+
+    items: list[str]
+    rows: torch.Tensor  # float16 [N, d], each row of largest magnitude 1
+    scale: torch.Tensor  # float32 [N]
+    owner: torch.Tensor  # long [N]
+    detail: torch.Tensor
+    filled: tuple[int, int] = (0, 0)  # rows and items appended so far
+
+    @staticmethod
+    def room(items: list[str], rows: int, dims: int, detail: torch.Tensor) -> StoredFragments:
+        """Room for `rows` rows of `items` (`detail`: any tensor of the details' dtype and
+        width), filled in order by `append`."""
+        return StoredFragments(items, torch.empty(rows, dims, dtype=torch.float16),
+                               torch.ones(rows), torch.empty(rows, dtype=torch.long),
+                               detail.new_empty((rows, *detail.shape[1:])))
+
+    @staticmethod
+    def of(fragments: FragmentSet, stem: str) -> StoredFragments:
+        """`fragments` as stored (see `append`)."""
+        stored = StoredFragments.room(fragments.items, *fragments.embeddings.shape,
+                                      fragments.detail)
+        stored.append(fragments, stem)
+        return stored
+
+    def append(self, fragments: FragmentSet, stem: str) -> None:
+        """The next items' fragments, quantized a block at a time; refused with one line naming
+        them if some are not finite (no bound would hold)."""
+        finite = torch.isfinite(fragments.embeddings).all(dim=1)
+        if not finite.all():
+            bad = sorted(set(fragments.owner[~finite].tolist()))
+            named = ", ".join(str(fragments.items[b]) for b in bad[:3])
+            raise RetrievalError(f"{len(bad)} of the {len(fragments.items)} {stem} have "
+                                 f"fragments that are not finite (NaN or inf), e.g. {named}: "
+                                 "the model gives them for these inputs; check the model, or "
+                                 "leave them out")
+        row, item = self.filled
+        for first in range(0, len(fragments.embeddings), BLOCK):  # bounded float32 copies
+            at = slice(row + first, row + min(first + BLOCK, len(fragments.embeddings)))
+            self.rows[at], self.scale[at] = quantize(fragments.embeddings[first:first + BLOCK])
+        end = row + len(fragments.embeddings)
+        self.owner[row:end] = fragments.owner + item
+        self.detail[row:end] = fragments.detail
+        self.filled = end, item + len(fragments.items)
+
+    def between(self, first: int, end: int) -> StoredFragments:
+        """Items first:end (their rows are consecutive)."""
+        start = self.start.tolist()
+        rows = slice(start[first], start[end])
+        return StoredFragments(self.items[first:end], self.rows[rows], self.scale[rows],
+                               self.owner[rows] - first, self.detail[rows],
+                               (rows.stop - rows.start, end - first))
+
+    @property
+    def start(self) -> torch.Tensor:
+        """int64 [n + 1]: item k owns rows start[k]:start[k + 1]."""
+        start = torch.zeros(len(self.items) + 1, dtype=torch.long)
+        start[1:] = torch.bincount(self.owner, minlength=len(self.items)).cumsum(0)
+        return start
+
+
+def write_collection(folder: Path, stem: str, fragments: FragmentSet | StoredFragments,
+                     score: str) -> None:
+    """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
+    kept = (fragments if isinstance(fragments, StoredFragments)
+            else StoredFragments.of(fragments, stem))
+    start, stored = kept.start, StoredRows(kept.rows, kept.scale)
     if score == "eq6":
-        keys, key_item = stored, fragments.owner
+        keys, key_item = stored, kept.owner
     else:
-        keys, key_item = first_stage_keys(dataclasses.replace(
-            fragments, embeddings=stored[0:len(stored)]), score)
-    center, basis = fit_projection(keys, fragments.embeddings.shape[1]
+        keys, key_item = first_stage_keys(FragmentSet(
+            kept.items, stored[0:len(stored)], kept.owner, kept.detail), score)
+    center, basis = fit_projection(keys, kept.rows.shape[1]
                                    if len(keys) < IVF_FROM else FIRST_STAGE_DIMS)
     first = build_first_stage(keys, center, basis)
     compact = (compact_keys(exact_keys(stored, start, score), len(keys), center)
                if len(center) <= MOST_DIMS else {})
-    save_file({"rows": rows, "scale": scale, "start": start,
-               "detail": fragments.detail.contiguous(), "key_item": key_item,
+    save_file({"rows": kept.rows, "scale": kept.scale, "start": start,
+               "detail": kept.detail.contiguous(), "key_item": key_item,
                "center": center, "basis": basis, **compact,
                **first_stage_bounds(first, keys, center, basis)}, folder / f"{stem}.safetensors")
     faiss.write_index(first, str(folder / f"{stem}.faiss"))

@@ -65,7 +65,14 @@ from trainer.search.embedder import (
 )
 from trainer.search.embedding_cache import IMAGE_SUFFIXES, list_images, read_sentences
 from trainer.search.fragment_set import FragmentSet
-from trainer.search.index import INDEX_FORMAT, IndexMismatch, load_one_model, write_collection
+from trainer.search.index import (
+    INDEX_FORMAT,
+    IndexMismatch,
+    StoredFragments,
+    load_one_model,
+    memory_map,
+    write_collection,
+)
 from trainer.store.model_folder import ModelFolder
 
 log = logging.getLogger(__name__)
@@ -407,13 +414,24 @@ def _altered(tensors: Path, done: Path) -> str:
 def _load_part(parts: Path, number: int, recorded: dict[str, Any],
                tasks: int) -> dict[str, torch.Tensor]:
     """Unit `number`'s tensors, read once and checked against the sha256 its JSON records."""
-    tensors = parts / f"{number:06d}.st"
-    data = tensors.read_bytes()
+    data = (parts / f"{number:06d}.st").read_bytes()
     if hashlib.sha256(data).hexdigest() != recorded["sha256"]:
-        raise RetrievalError(f"{_altered(tensors, parts / f'{number:06d}.json')}: run task "
-                             f"{number % tasks} of {tasks} again (it embeds the unit again), "
-                             "then the merge")
+        raise RetrievalError(_embed_again(parts, number, tasks))
     return load(data)
+
+
+def _unit_shapes(parts: Path, number: int, tasks: int) -> dict[str, tuple]:
+    """Unit `number`'s tensors' shapes and dtypes, from its safetensors header alone."""
+    try:
+        return {name: (array.shape, array.dtype)
+                for name, array in memory_map(parts / f"{number:06d}.st").items()}
+    except (RetrievalError, KeyError) as err:  # a header damaged after its JSON was written
+        raise RetrievalError(_embed_again(parts, number, tasks)) from err
+
+
+def _embed_again(parts: Path, number: int, tasks: int) -> str:
+    return (f"{_altered(parts / f'{number:06d}.st', parts / f'{number:06d}.json')}: run task "
+            f"{number % tasks} of {tasks} again (it embeds the unit again), then the merge")
 
 
 def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
@@ -422,34 +440,24 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
     (`_write_split`); index.json last, parts removed. `record`: the build (parts/build.json),
     with the followed links out of the folder and their targets (`links`) and a line for each
     link not followed (`skipped`)."""
-    image_parts = [_no_images(embedder)]
-    sentence_parts, problems, origins = [], list(record["skipped"]), []
+    problems, origins = list(record["skipped"]), []
+    metas = [json.loads((out / "parts" / f"{number:06d}.json").read_text())
+             for number in range(len(record["units"]))]
     shard_of: dict[str, str] = {}
-    repeated: list[str] = []
-    for number in range(len(record["units"])):
-        meta = json.loads((out / "parts" / f"{number:06d}.json").read_text())
-        repeated += _repeated_names(meta, shard_of)
-        tensors = _load_part(out / "parts", number, meta["tensors"], record["tasks"])
-        image_parts.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
-                                       tensors["detail"]))
+    _refuse_repeated([name for meta in metas for name in _repeated_names(meta, shard_of)])
+    images, sentences = _stored_units(out / "parts", metas, record["tasks"],
+                                      embedder.cfg.model.embed_dim)
+    for meta in metas:
         problems += meta["problems"]
-        if meta["sentences"] is not None:
-            sentence_parts.append(FragmentSet(meta["sentences"], tensors["s_rows"],
-                                              tensors["s_owner"], tensors["s_detail"]))
-            origins += meta["sentence_origins"]
-    _refuse_repeated(repeated)
-    images = FragmentSet.concat(image_parts)
-    image_parts.clear()  # the parts' rows freed before the index is written (4 GB at 1M images)
+        origins += meta["sentence_origins"]
     if not images.items:
         raise RetrievalError(f"none of the {sum(size for size, _ in record['units'])} images "
                              f"could be used ({problems[:3]}...)")
     sentence_file = record["sentences"]
     if sentence_file:
         texts, lines = read_sentences(Path(sentence_file))
-        sentences = _embed_sentence_file(texts, embedder)
+        sentences = StoredFragments.of(_embed_sentence_file(texts, embedder), "sentences")
         origins = [f"{Path(sentence_file).name}:{line}" for line in lines]
-    else:
-        sentences = FragmentSet.concat(sentence_parts) if sentence_parts else None
     score = embedder.cfg.objective.score
     meta = {"format": INDEX_FORMAT, **record["key"], "model_dir": record["model"],
             "image_folder": record["image_folder"], "links": record["links"], "score": score,
@@ -467,8 +475,38 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
             "sentences": len(meta["sentences"]), "problems": len(problems)}
 
 
-def _write_split(out: Path, meta: dict[str, Any], images: FragmentSet,
-                 sentences: FragmentSet | None, split: int) -> dict[str, Any]:
+def _stored_units(parts: Path, metas: list[dict[str, Any]], tasks: int,
+                  dims: int) -> tuple[StoredFragments, StoredFragments | None]:
+    """The units' image fragments, and for --shards their captions', as the index stores them:
+    sized from the units' safetensors headers, then each unit read (and checked) once and
+    appended."""
+    shapes = [_unit_shapes(parts, number, tasks) for number in range(len(metas))]
+    images = _room([name for meta in metas for name in meta["images"]], shapes, "", dims)
+    captioned = [number for number, meta in enumerate(metas) if meta["sentences"] is not None]
+    sentences = _room([text for number in captioned for text in metas[number]["sentences"]],
+                      [shapes[number] for number in captioned], "s_", dims) if captioned else None
+    for number, meta in enumerate(tqdm(metas, desc="merge units", unit="unit",
+                                       disable=len(metas) < 8)):
+        tensors = _load_part(parts, number, meta["tensors"], tasks)
+        images.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
+                                  tensors["detail"]), "images")
+        if sentences is not None and meta["sentences"] is not None:
+            sentences.append(FragmentSet(meta["sentences"], tensors["s_rows"],
+                                         tensors["s_owner"], tensors["s_detail"]), "sentences")
+    return images, sentences
+
+
+def _room(items: list[str], shapes: list[dict[str, tuple]], prefix: str,
+          dims: int) -> StoredFragments:
+    """Room for `items`' fragments, the rows that `shapes` (the units' headers) list."""
+    rows = sum(shape[f"{prefix}rows"][0][0] for shape in shapes)
+    width, dtype = shapes[0][f"{prefix}detail"] if shapes else ((0, 4), np.float32)
+    return StoredFragments.room(items, rows, dims,
+                                torch.from_numpy(np.zeros((0, *width[1:]), dtype)))
+
+
+def _write_split(out: Path, meta: dict[str, Any], images: StoredFragments,
+                 sentences: StoredFragments | None, split: int) -> dict[str, Any]:
     """out/part-0 ... part-(split - 1): each an ordinary index of the next slice of the images
     and of the sentences, its index.json's `split` naming its slices' offsets; then
     out/split.json listing them, all with the split's id (new at each merge: a front refuses
@@ -494,9 +532,9 @@ def _write_split(out: Path, meta: dict[str, Any], images: FragmentSet,
                 "problems": [],  # the build's are in split.json
                 "split": {"id": key, "part": number, "parts": split, "images_from": first,
                           "sentences_from": s_first}}
-        write_collection(folder, "images", _slice(images, first, end), meta["score"])
+        write_collection(folder, "images", images.between(first, end), meta["score"])
         if sentences is not None:
-            write_collection(folder, "sentences", _slice(sentences, s_first, s_end),
+            write_collection(folder, "sentences", sentences.between(s_first, s_end),
                              meta["score"])
         write_atomically(folder / "index.json", json.dumps(part, ensure_ascii=False))
         listed.append({"folder": folder.name, "images": [first, end],
@@ -505,14 +543,6 @@ def _write_split(out: Path, meta: dict[str, Any], images: FragmentSet,
         {"id": key, "parts": listed, **counts, "problems": meta["problems"]}))
     shutil.rmtree(out / "parts")
     return {"index": str(out), "parts": split, **counts, "problems": len(meta["problems"])}
-
-
-def _slice(fragments: FragmentSet, first: int, end: int) -> FragmentSet:
-    """Items first:end of `fragments` (their rows are consecutive)."""
-    start = [0, *fragments.counts.cumsum(0).tolist()]
-    rows = slice(start[first], start[end])
-    return FragmentSet(fragments.items[first:end], fragments.embeddings[rows],
-                       fragments.owner[rows] - first, fragments.detail[rows])
 
 
 def _repeated_names(meta: dict[str, Any], shard_of: dict[str, str]) -> list[str]:
