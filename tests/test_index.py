@@ -285,6 +285,31 @@ def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
         assert np.array_equal(np.asarray(mapped[name]), tensor.numpy()), name
 
 
+def test_warm_up_reads_the_keys_then_the_rows_while_they_fit(folder_index: Path, caplog,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The byte ranges a server has the kernel read at its start are the int8 keys and the
+    rows the search reads (keys of both sides first); only what fits in half the memory
+    available is asked for."""
+    searched = index.SearchIndex.open(folder_index)
+    sides = (searched.images, searched.sentence_set)
+    for side, stem in zip(sides, ("images", "sentences"), strict=True):
+        stored = load_file(folder_index / f"{stem}.safetensors")
+        for (path, offset, length), name in ((side.key_extent, "int8_codes"),
+                                              (side.row_extent, "rows")):
+            with path.open("rb") as stream:
+                stream.seek(offset)
+                assert stream.read(length) == stored[name].numpy().tobytes(), (stem, name)
+    extents = [side.key_extent for side in sides] + [side.row_extent for side in sides]
+    with caplog.at_level(logging.INFO, logger="trainer.search.index"):
+        assert searched.warm_up() == sum(length for _, _, length in extents)
+    assert f"GiB of {folder_index} into the page cache" in caplog.text
+    keys = sum(length for _, _, length in extents[:2])
+    monkeypatch.setattr(index.psutil, "virtual_memory", lambda: type(
+        "Memory", (), {"available": 2 * keys + 1})())  # room for the keys only
+    assert searched.warm_up() == keys
+
+
 @pytest.mark.parametrize("sq8_from,kind", [(10**9, "IndexIVFFlat"),
                                             (1000, "IndexIVFScalarQuantizer")])
 def test_an_ivf_first_stage_finds_the_flat_scans_keys(monkeypatch: pytest.MonkeyPatch,
