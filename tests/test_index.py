@@ -290,7 +290,7 @@ def test_warm_up_reads_the_keys_then_the_rows_while_they_fit(folder_index: Path,
                                                              ) -> None:
     """The byte ranges a server has the kernel read at its start are the int8 keys and the
     rows the search reads (keys of both sides first); only what fits in half the memory
-    available is asked for."""
+    available is asked for, and a file that cannot be read ahead is a warning, not an error."""
     searched = index.SearchIndex.open(folder_index)
     sides = (searched.images, searched.sentence_set)
     for side, stem in zip(sides, ("images", "sentences"), strict=True):
@@ -308,6 +308,10 @@ def test_warm_up_reads_the_keys_then_the_rows_while_they_fit(folder_index: Path,
     monkeypatch.setattr(index.psutil, "virtual_memory", lambda: type(
         "Memory", (), {"available": 2 * keys + 1})())  # room for the keys only
     assert searched.warm_up() == keys
+    gone = (folder_index / "replaced.safetensors", 0, 1)  # a file removed since: a warning
+    with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
+        assert index.prefetch([extents[0], gone, extents[1]]) == extents[0][2]
+    assert "replaced.safetensors cannot be read ahead" in caplog.text
 
 
 @pytest.mark.parametrize("sq8_from,kind", [(10**9, "IndexIVFFlat"),

@@ -377,8 +377,13 @@ def prefetch(extents: Sequence[tuple[Path, int, int]]) -> int:
     for path, offset, length in extents:
         if asked + length > budget or not hasattr(os, "posix_fadvise"):
             break
-        with path.open("rb") as stream:
-            os.posix_fadvise(stream.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+        try:
+            with path.open("rb") as stream:
+                os.posix_fadvise(stream.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError as err:  # a file system without it: an optimisation only
+            log.warning("%s cannot be read ahead (%s): the first searches read it as they go",
+                        path, err)
+            break
         asked += length
     return asked
 
