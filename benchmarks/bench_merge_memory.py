@@ -9,7 +9,7 @@ before anything is made plus the stored rows (fp16 + scale, owner, detail), the 
 the faiss keys (float32 of the first stage's columns). Target: peak <= 1.5 x floor.
 
     python benchmarks/bench_merge_memory.py [--rows 2000000] [--dims 1000] [--fragments 20]
-        [--unit-images 256] [--out /tmp/defrag-bench-merge]
+        [--unit-images 256] [--out NEW_FOLDER (default: a temporary one)]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -76,8 +77,11 @@ def main() -> None:
     parser.add_argument("--dims", type=int, default=1000)
     parser.add_argument("--fragments", type=int, default=20, help="rows an image")
     parser.add_argument("--unit-images", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/defrag-bench-merge"))
+    parser.add_argument("--out", type=Path, help="a folder that does not exist yet")
     args = parser.parse_args()
+    if args.out is not None and args.out.exists():
+        parser.error(f"--out {args.out} exists: give a new folder (it is removed at the end)")
+    out = args.out or Path(tempfile.mkdtemp(prefix="defrag-bench-merge-"))
     peak, peaks = Peak(), {}
     base = peak.reset()
     images = args.rows // args.fragments
@@ -95,9 +99,8 @@ def main() -> None:
                                   torch.zeros(count * args.fragments, 4)), "images")
     peaks["append units"] = peak.reset()
     timed_stages(peak, peaks)
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
-    index.write_collection(args.out, "images", stored, "eq6")
+    out.mkdir(parents=True, exist_ok=True)
+    index.write_collection(out, "images", stored, "eq6")
     seconds = time.perf_counter() - started
     columns = args.dims + 1 if rows < index.IVF_FROM else index.FIRST_STAGE_DIMS + 1
     floor = (base + rows * (2 * args.dims + 4 + 8 + 16)  # fp16 rows, scale, owner, detail
@@ -114,7 +117,7 @@ def main() -> None:
                       "floor_gib": round(floor / gib, 2), "ratio": round(top / floor, 2),
                       "seconds": round(seconds), "stages_gib": {
                           name: round(value / gib, 2) for name, value in peaks.items()}}))
-    shutil.rmtree(args.out)
+    shutil.rmtree(out)
 
 
 if __name__ == "__main__":

@@ -177,8 +177,8 @@ def certify(args: argparse.Namespace) -> None:
           f"from {args.query_file}, {len(picked)} image queries; top {args.top}, budget "
           f"{args.budget_s} s")
     started = time.perf_counter()
-    asked = index.warm_up()  # as `defrag serve` does at its start
-    print(f"warm up: {asked / 2**30:.2f} GiB asked of the page cache, "
+    asked = index.read_ahead()  # as `defrag serve` does at its start
+    print(f"read ahead: {asked / 2**30:.2f} GiB asked of the page cache, "
           f"{time.perf_counter() - started:.1f} s")
     for text in texts[:5]:  # warm up: the parser, the first touch of the pages
         index.images_for_rows(index.query_rows(text), args.top, budget_s=args.budget_s)

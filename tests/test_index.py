@@ -285,12 +285,11 @@ def test_memory_map_reads_what_safetensors_wrote(folder_index: Path) -> None:
         assert np.array_equal(np.asarray(mapped[name]), tensor.numpy()), name
 
 
-def test_warm_up_reads_the_keys_then_the_rows_while_they_fit(folder_index: Path, caplog,
-                                                             monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
-    """The byte ranges a server has the kernel read at its start are the int8 keys and the
-    rows the search reads (keys of both sides first); only what fits in half the memory
-    available is asked for, and a file that cannot be read ahead is a warning, not an error."""
+def test_read_ahead_asks_for_the_keys_then_the_rows_while_they_fit(
+        folder_index: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a server asks the kernel to read at its start (posix_fadvise WILLNEED, each call
+    recorded) is the int8 keys of both sides, then their rows, byte for byte; only what fits
+    in half the memory available; a file that cannot be read ahead is a warning."""
     searched = index.SearchIndex.open(folder_index)
     sides = (searched.images, searched.sentence_set)
     for side, stem in zip(sides, ("images", "sentences"), strict=True):
@@ -301,16 +300,26 @@ def test_warm_up_reads_the_keys_then_the_rows_while_they_fit(folder_index: Path,
                 stream.seek(offset)
                 assert stream.read(length) == stored[name].numpy().tobytes(), (stem, name)
     extents = [side.key_extent for side in sides] + [side.row_extent for side in sides]
+    asked, advise = [], os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+        asked.append((Path(os.readlink(f"/proc/self/fd/{fd}")), offset, length, advice))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
     with caplog.at_level(logging.INFO, logger="trainer.search.index"):
-        assert searched.warm_up() == sum(length for _, _, length in extents)
+        assert searched.read_ahead() == sum(length for _, _, length in extents)
+    assert asked == [(*extent, os.POSIX_FADV_WILLNEED) for extent in extents]
     assert f"GiB of {folder_index} into the page cache" in caplog.text
     keys = sum(length for _, _, length in extents[:2])
     monkeypatch.setattr(index.psutil, "virtual_memory", lambda: type(
         "Memory", (), {"available": 2 * keys + 1})())  # room for the keys only
-    assert searched.warm_up() == keys
+    asked.clear()
+    assert searched.read_ahead() == keys
+    assert asked == [(*extent, os.POSIX_FADV_WILLNEED) for extent in extents[:2]]
     gone = (folder_index / "replaced.safetensors", 0, 1)  # a file removed since: a warning
     with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
-        assert index.prefetch([extents[0], gone, extents[1]]) == extents[0][2]
+        assert index.prefetch([extents[0], gone, extents[1]]) == keys
     assert "replaced.safetensors cannot be read ahead" in caplog.text
 
 

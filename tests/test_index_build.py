@@ -33,7 +33,7 @@ from tests.test_slurm import ENDED, ROOT, job_field, jobs, wait_for
 from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
-from trainer.search.embedder import embed_images
+from trainer.search.embedder import embed_images, embed_sentences
 from trainer.search.index import SearchIndex, load_one_model, memory_map
 from trainer.store.model_folder import ModelFolder, save_model_folder
 
@@ -142,6 +142,29 @@ def holds_each_images_fragments(built: Path, collection: Collection) -> None:
         assert rows.shape == alone.embeddings.shape, name
         scale = float(alone.embeddings.abs().max())  # fp16 keeps ~3 digits of a row's largest
         torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale, msg=name)
+        assert np.array_equal(stored["detail"][first:end], alone.detail.numpy()), name
+
+
+def test_a_shard_index_holds_each_captions_fragments(collection: Collection,
+                                                     one_process: Path) -> None:
+    """The captions of the shards' 4 units, merged: each one's rows and word ids are the
+    caption embedded on its own."""
+    texts = json.loads((one_process / "index.json").read_text())["sentences"]
+    stored = memory_map(one_process / "sentences.safetensors")
+    embedder = load_one_model(ModelFolder.open(collection.model), None, None, None)
+    assert len(texts) == 8 * 5
+    for k, text in enumerate(texts):
+        alone = embed_sentences([text], embedder)
+        first, end = stored["start"][k], stored["start"][k + 1]
+        rows = torch.from_numpy(stored["rows"][first:end].astype(np.float32)
+                                * stored["scale"][first:end, None])
+        assert rows.shape == alone.embeddings.shape, text
+        if len(rows):  # some captions have no triplet this tiny vocabulary knows
+            scale = float(alone.embeddings.abs().max())
+            torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale,
+                                       msg=text)
+        assert np.array_equal(stored["detail"][first:end], alone.detail.numpy()), text
+    assert len(stored["rows"]) > len(texts)  # most captions have several
 
 
 def test_shards_at_a_url_with_credentials_leave_them_out_of_the_build_and_the_index(
@@ -215,13 +238,16 @@ def damaged_parts_are_named_and_embedded_again(collection: Collection, out: Path
             r"000000.json records\): run task 0 of 2 again")):
         index_builder.main(["--merge", "--out", str(out)])
     assert task(0)["embedded"] == 1
-    header = bytearray((parts / "000002.st").read_bytes())
-    header[9] ^= 0xFF  # its JSON header, which sizes the merge's arrays
-    (parts / "000002.st").write_bytes(header)
-    with pytest.raises(SystemExit, match=(
-            rf"{parts}/000002.st is not what its unit wrote \(its sha256 is not the one "
-            r"000002.json records\): run task 0 of 2 again")):
-        index_builder.main(["--merge", "--out", str(out)])
+    written = (parts / "000002.st").read_bytes()  # its header sizes the merge's arrays:
+    for damaged in (written[:9] + bytes([written[9] ^ 0xFF]) + written[10:],  # not JSON
+                    written.replace(b'"shape":[2,', b'"shape":[9,', 1),  # JSON that lies
+                    bytes([written[0], written[1], written[2] ^ 0x80]) + written[3:]):  # size
+        assert damaged != written
+        (parts / "000002.st").write_bytes(damaged)
+        with pytest.raises(SystemExit, match=(
+                rf"{parts}/000002.st is not what its unit wrote \(its sha256 is not the one "
+                r"000002.json records\): run task 0 of 2 again")):
+            index_builder.main(["--merge", "--out", str(out)])
     assert task(0)["embedded"] == 1
     assert index("--merge", "--out", out, capsys=capsys)["images"] == 8
 

@@ -498,7 +498,7 @@ def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> 
     """`defrag serve --workers 2`, the real command: on 127.0.0.1 by default, two worker
     processes each with the index's rows mapped, both taking connections on the one port and
     answering what one process answers, keep-alive requests not held back by Nagle's algorithm
-    (a delayed ACK costs each >= 40 ms); SIGTERM stops them all."""
+    (a delayed ACK costs each >= 40 ms); the index read ahead once; SIGTERM stops them all."""
     port = free_port()
     server = subprocess.Popen([DEFRAG, "serve", "--index", str(world.index), "--port", str(port),
                                "--workers", "2"], stderr=subprocess.PIPE, text=True)
@@ -532,6 +532,8 @@ def test_workers_share_the_port_and_each_holds_the_index(world: SearchWorld) -> 
         server.wait(timeout=60)
     assert server.returncode == 0
     assert not [worker for worker in workers if worker.is_running()]
+    read_ahead = f"asked the kernel to read 0.00 GiB of {world.index} into the page cache"
+    assert server.stderr.read().count(read_ahead) == 1  # once, for every worker
 
 
 def test_workers_stop_when_their_supervisor_is_killed(world: SearchWorld) -> None:

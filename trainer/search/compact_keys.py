@@ -85,12 +85,12 @@ def compact_keys(keys: Callable[[slice], torch.Tensor], total: int,
     """The safetensors entries of `total` keys (`keys(slice)`: float64 rows, the model's)
     minus `center`: `int8_codes`, `int8_scale`, `int8_error`, `int8_norm` (`encode`), a block
     at a time into arrays made once (no second copy of the codes: 2 GB at 2,000,000 keys)."""
-    made = encode(torch.zeros(0, len(center), dtype=torch.float64))
-    made = {name: value.new_empty((total, *value.shape[1:])) for name, value in made.items()}
+    kinds = encode(torch.zeros(0, len(center), dtype=torch.float64))  # each entry's dtype
+    coded = {name: value.new_empty((total, *value.shape[1:])) for name, value in kinds.items()}
     for begin in range(0, total, BLOCK):
         for name, value in encode(keys(slice(begin, begin + BLOCK)) - center.double()).items():
-            made[name][begin:begin + len(value)] = value
-    return {f"int8_{name}": value for name, value in made.items()}
+            coded[name][begin:begin + len(value)] = value
+    return {f"int8_{name}": value for name, value in coded.items()}
 
 
 class CompactKeys:

@@ -245,14 +245,15 @@ def exact_keys(stored: StoredRows, start: torch.Tensor,
 @dataclasses.dataclass
 class StoredFragments:
     """One side's fragments as an index stores them (rows fp16 times each row's `scale`), made
-    once at full size and filled in order, so a merge holds no float32 rows and no part twice
-    (2,000,000 region rows: 4 GB, not 16)."""
+    once at full size and filled in order, so a merge holds no part twice and, for eq. 6, no
+    float32 rows (2,000,000 region rows: 4 GB, not 16; the cosine and inner scores' first stage
+    takes a float32 copy to average each item's rows)."""
 
     items: list[str]
     rows: torch.Tensor  # float16 [N, d], each row of largest magnitude 1
     scale: torch.Tensor  # float32 [N]
     owner: torch.Tensor  # long [N]
-    detail: torch.Tensor
+    detail: torch.Tensor  # boxes, float [N, 4], or word ids, long [N, 3] or [N, 1]
     filled: tuple[int, int] = (0, 0)  # rows and items appended so far
 
     @staticmethod
@@ -310,21 +311,24 @@ class StoredFragments:
 def write_collection(folder: Path, stem: str, fragments: FragmentSet | StoredFragments,
                      score: str) -> None:
     """`stem`.safetensors and `stem`.faiss of one side of the index (see module doc)."""
-    kept = (fragments if isinstance(fragments, StoredFragments)
+    side = (fragments if isinstance(fragments, StoredFragments)
             else StoredFragments.of(fragments, stem))
-    start, stored = kept.start, StoredRows(kept.rows, kept.scale)
+    if side.filled != (len(side.rows), len(side.items)):  # never an index of unfilled rows
+        raise RuntimeError(f"{folder}: only {side.filled[1]} of the {len(side.items)} {stem} "
+                           "were appended before the write")
+    start, stored = side.start, StoredRows(side.rows, side.scale)
     if score == "eq6":
-        keys, key_item = stored, kept.owner
+        keys, key_item = stored, side.owner
     else:
         keys, key_item = first_stage_keys(FragmentSet(
-            kept.items, stored[0:len(stored)], kept.owner, kept.detail), score)
-    center, basis = fit_projection(keys, kept.rows.shape[1]
+            side.items, stored[0:len(stored)], side.owner, side.detail), score)
+    center, basis = fit_projection(keys, side.rows.shape[1]
                                    if len(keys) < IVF_FROM else FIRST_STAGE_DIMS)
     first = build_first_stage(keys, center, basis)
     compact = (compact_keys(exact_keys(stored, start, score), len(keys), center)
                if len(center) <= MOST_DIMS else {})
-    save_file({"rows": kept.rows, "scale": kept.scale, "start": start,
-               "detail": kept.detail.contiguous(), "key_item": key_item,
+    save_file({"rows": side.rows, "scale": side.scale, "start": start,
+               "detail": side.detail.contiguous(), "key_item": key_item,
                "center": center, "basis": basis, **compact,
                **first_stage_bounds(first, keys, center, basis)}, folder / f"{stem}.safetensors")
     faiss.write_index(first, str(folder / f"{stem}.faiss"))
@@ -370,20 +374,24 @@ def extent(array: np.ndarray) -> tuple[Path, int, int]:
 
 
 def prefetch(extents: Sequence[tuple[Path, int, int]]) -> int:
-    """Ask the kernel to read these byte ranges into the page cache (posix_fadvise WILLNEED:
-    it reads them while the caller goes on), in order while they fit in half the memory
-    available; the bytes asked for."""
+    """Ask the kernel to read these byte ranges into the page cache (posix_fadvise WILLNEED),
+    in order while they fit in half the memory available; the bytes asked for (0 where the
+    platform has no posix_fadvise)."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
     budget, asked = psutil.virtual_memory().available // 2, 0
     for path, offset, length in extents:
-        if asked + length > budget or not hasattr(os, "posix_fadvise"):
+        if asked + length > budget:
             break
+        if not length:  # an empty array (0 would mean "to the end of the file")
+            continue
         try:
             with path.open("rb") as stream:
                 os.posix_fadvise(stream.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
         except OSError as err:  # a file system without it: an optimisation only
             log.warning("%s cannot be read ahead (%s): the first searches read it as they go",
                         path, err)
-            break
+            continue
         asked += length
     return asked
 
@@ -413,7 +421,7 @@ class Collection:
         self.compact = (CompactKeys(arrays, self.center)
                         if "int8_codes" in arrays and int8_products_exact() else None)
         faiss_file = folder / f"{stem}.faiss"
-        self.key_extent = (extent(arrays["int8_codes"]) if self.compact else
+        self.key_extent = (extent(arrays["int8_codes"]) if self.compact is not None else
                            (faiss_file, 0, faiss_file.stat().st_size))  # what each search reads
         self.row_extent = extent(self.rows)  # what rescoring reads
         self.key_candidates, self.probe = KEY_CANDIDATES, IVF_PROBE
@@ -650,16 +658,20 @@ class SearchIndex:
                                                      max_image_pixels=max_image_pixels),
                    model.path)
 
-    def warm_up(self) -> int:
-        """Load the parser now (seconds), not at the first query, and have the kernel read
-        what every search reads (the first stage's keys) and then what rescoring reads (the
-        rows) while they fit in memory, so a server's first queries do not wait on the disk.
-        The bytes asked for."""
-        sides = [side for side in (self.images, self.sentence_set) if side is not None]
-        asked = prefetch([side.key_extent for side in sides] + [side.row_extent for side in sides])
-        log.info("reading %.2f GiB of %s into the page cache", asked / 2**30, self.folder)
+    def warm_up(self) -> None:
+        """Load the parser now (seconds), not at the first query."""
         with self._parse:
             parse_captions(["a dog"], self.embedder)
+
+    def read_ahead(self) -> int:
+        """Have the kernel read what every search reads (the first stage's keys) and then what
+        rescoring reads (the rows) while they fit in memory, so a server's first queries do not
+        wait on the disk; the bytes asked for. It may block at disk speed: `defrag serve` calls
+        it once, in a thread of its own."""
+        sides = [side for side in (self.images, self.sentence_set) if side is not None]
+        asked = prefetch([side.key_extent for side in sides] + [side.row_extent for side in sides])
+        log.info("asked the kernel to read %.2f GiB of %s into the page cache", asked / 2**30,
+                 self.folder)
         return asked
 
     @property

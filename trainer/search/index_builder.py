@@ -420,16 +420,18 @@ def _load_part(parts: Path, number: int, recorded: dict[str, Any],
     return load(data)
 
 
-def _unit_shapes(parts: Path, number: int, tasks: int) -> dict[str, tuple]:
-    """Unit `number`'s tensors' shapes and dtypes, from its safetensors header alone."""
-    try:
-        return {name: (array.shape, array.dtype)
-                for name, array in memory_map(parts / f"{number:06d}.st").items()}
-    except (RetrievalError, KeyError) as err:  # a header damaged after its JSON was written
-        raise RetrievalError(_embed_again(parts, number, tasks)) from err
+def _unit_shapes(parts: Path, number: int, recorded: dict[str, Any],
+                 tasks: int) -> dict[str, tuple]:
+    """Unit `number`'s tensors' shapes and dtypes, from its safetensors header once the file's
+    sha256 is the one its JSON records (the merge sizes its arrays by them)."""
+    if sha256_file(parts / f"{number:06d}.st") != recorded["sha256"]:
+        raise RetrievalError(_embed_again(parts, number, tasks))
+    return {name: (array.shape, array.dtype)
+            for name, array in memory_map(parts / f"{number:06d}.st").items()}
 
 
 def _embed_again(parts: Path, number: int, tasks: int) -> str:
+    """The line for a unit's tensors altered after its JSON: the task to rerun."""
     return (f"{_altered(parts / f'{number:06d}.st', parts / f'{number:06d}.json')}: run task "
             f"{number % tasks} of {tasks} again (it embeds the unit again), then the merge")
 
@@ -445,15 +447,15 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
              for number in range(len(record["units"]))]
     shard_of: dict[str, str] = {}
     _refuse_repeated([name for meta in metas for name in _repeated_names(meta, shard_of)])
+    sentence_file = record["sentences"]
     images, sentences = _stored_units(out / "parts", metas, record["tasks"],
-                                      embedder.cfg.model.embed_dim)
+                                      embedder.cfg.model.embed_dim, captions=not sentence_file)
     for meta in metas:
         problems += meta["problems"]
         origins += meta["sentence_origins"]
     if not images.items:
         raise RetrievalError(f"none of the {sum(size for size, _ in record['units'])} images "
                              f"could be used ({problems[:3]}...)")
-    sentence_file = record["sentences"]
     if sentence_file:
         texts, lines = read_sentences(Path(sentence_file))
         sentences = StoredFragments.of(_embed_sentence_file(texts, embedder), "sentences")
@@ -475,24 +477,31 @@ def _write_index(out: Path, record: dict[str, Any], embedder: Embedder,
             "sentences": len(meta["sentences"]), "problems": len(problems)}
 
 
-def _stored_units(parts: Path, metas: list[dict[str, Any]], tasks: int,
-                  dims: int) -> tuple[StoredFragments, StoredFragments | None]:
-    """The units' image fragments, and for --shards their captions', as the index stores them:
-    sized from the units' safetensors headers, then each unit read (and checked) once and
-    appended."""
-    shapes = [_unit_shapes(parts, number, tasks) for number in range(len(metas))]
+def _stored_units(parts: Path, metas: list[dict[str, Any]], tasks: int, dims: int,
+                  captions: bool) -> tuple[StoredFragments, StoredFragments | None]:
+    """The units' image fragments, and for --shards their captions' unless `captions` is
+    False (a --sentences file replaces them), as the index stores them: sized from the units'
+    checked headers, then each unit read (and checked) once and appended."""
+    shapes = [_unit_shapes(parts, number, meta["tensors"], tasks)
+              for number, meta in enumerate(metas)]
     images = _room([name for meta in metas for name in meta["images"]], shapes, "", dims)
-    captioned = [number for number, meta in enumerate(metas) if meta["sentences"] is not None]
+    captioned = [number for number, meta in enumerate(metas)
+                 if captions and meta["sentences"] is not None]
     sentences = _room([text for number in captioned for text in metas[number]["sentences"]],
                       [shapes[number] for number in captioned], "s_", dims) if captioned else None
     for number, meta in enumerate(tqdm(metas, desc="merge units", unit="unit",
                                        disable=len(metas) < 8)):
         tensors = _load_part(parts, number, meta["tensors"], tasks)
-        images.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
-                                  tensors["detail"]), "images")
-        if sentences is not None and meta["sentences"] is not None:
-            sentences.append(FragmentSet(meta["sentences"], tensors["s_rows"],
-                                         tensors["s_owner"], tensors["s_detail"]), "sentences")
+        try:
+            images.append(FragmentSet(meta["images"], tensors["rows"], tensors["owner"],
+                                      tensors["detail"]), "images")
+            if sentences is not None and meta["sentences"] is not None:
+                sentences.append(FragmentSet(meta["sentences"], tensors["s_rows"],
+                                             tensors["s_owner"], tensors["s_detail"]),
+                                 "sentences")
+        except RetrievalError as err:  # fragments that are not finite: name the unit
+            raise RetrievalError(f"{parts / f'{number:06d}.st'} (unit {number}, task "
+                                 f"{number % tasks} of {tasks}): {err}") from err
     return images, sentences
 
 

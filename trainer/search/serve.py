@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -443,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors(parser.prog, args.debug):  # here once, not in each worker
         index = SearchIndex.open(args.index, args.model, args.max_image_pixels)
         app = worker_app(index, settings) if args.workers == 1 else None
+    # once for every worker (the page cache is shared), beside them: it reads at disk speed
+    threading.Thread(target=index.read_ahead, name="read-ahead", daemon=True).start()
     log.info("serving %d images and %d sentences of %s: %d worker(s) of %d thread(s)",
              len(index.image_names), len(index.sentences), args.index, args.workers,
              settings.threads)
