@@ -58,6 +58,20 @@ def test_fragments_that_are_not_finite_are_refused_in_one_line(tmp_path: Path) -
     assert not (tmp_path / "images.safetensors").exists()
 
 
+def test_a_side_not_wholly_appended_is_never_written(tmp_path: Path) -> None:
+    """A merge's arrays are made before its units are appended: a side written with some
+    never appended (rows of uninitialised memory) is an error, and nothing is written."""
+    rows = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    items = [f"item-{k}" for k in range(10)]
+    side = index.StoredFragments.room(items, 40, 8, torch.zeros(0, 4))
+    side.append(FragmentSet(items[:5], rows[:20], owners([4] * 5), torch.zeros(20, 4)), "images")
+    with pytest.raises(RuntimeError, match="only 5 of the 10 images were appended"):
+        index.write_collection(tmp_path, "images", side, "eq6")
+    assert not (tmp_path / "images.safetensors").exists()
+    side.append(FragmentSet(items[5:], rows[20:], owners([4] * 5), torch.zeros(20, 4)), "images")
+    index.write_collection(tmp_path, "images", side, "eq6")
+
+
 def test_nan_bounds_never_certify_a_wrong_top_k(tmp_path: Path) -> None:
     """Bounds that are NaN (an index whose largest key error is NaN: every item's bound is)
     bound nothing: the certificate takes them as +inf (Python's max would drop them and

@@ -34,6 +34,7 @@ from trainer.config import Config, DataConfig, ModelConfig
 from trainer.data.shardset import training_featurizer
 from trainer.model import DeFragModel
 from trainer.search.embedder import embed_images, embed_sentences
+from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import SearchIndex, load_one_model, memory_map
 from trainer.store.model_folder import ModelFolder, save_model_folder
 
@@ -136,13 +137,19 @@ def holds_each_images_fragments(built: Path, collection: Collection) -> None:
     for k, name in enumerate(names):
         alone, _ = embed_images([collection.images / name], embedder, skip_bad=False,
                                 progress=False)
-        first, end = stored["start"][k], stored["start"][k + 1]
-        rows = torch.from_numpy(stored["rows"][first:end].astype(np.float32)
-                                * stored["scale"][first:end, None])
-        assert rows.shape == alone.embeddings.shape, name
-        scale = float(alone.embeddings.abs().max())  # fp16 keeps ~3 digits of a row's largest
-        torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale, msg=name)
-        assert np.array_equal(stored["detail"][first:end], alone.detail.numpy()), name
+        holds(stored, k, alone, name)
+
+
+def holds(stored: dict[str, np.ndarray], k: int, alone: FragmentSet, what: str) -> None:
+    """Item k's stored rows (fp16 times their scale) and details are `alone`'s."""
+    first, end = stored["start"][k], stored["start"][k + 1]
+    rows = torch.from_numpy(stored["rows"][first:end].astype(np.float32)
+                            * stored["scale"][first:end, None])
+    assert rows.shape == alone.embeddings.shape, what
+    if len(rows):  # fp16 keeps ~3 digits of a row's largest magnitude
+        scale = float(alone.embeddings.abs().max())
+        torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale, msg=what)
+    assert np.array_equal(stored["detail"][first:end], alone.detail.numpy()), what
 
 
 def test_a_shard_index_holds_each_captions_fragments(collection: Collection,
@@ -154,16 +161,7 @@ def test_a_shard_index_holds_each_captions_fragments(collection: Collection,
     embedder = load_one_model(ModelFolder.open(collection.model), None, None, None)
     assert len(texts) == 8 * 5
     for k, text in enumerate(texts):
-        alone = embed_sentences([text], embedder)
-        first, end = stored["start"][k], stored["start"][k + 1]
-        rows = torch.from_numpy(stored["rows"][first:end].astype(np.float32)
-                                * stored["scale"][first:end, None])
-        assert rows.shape == alone.embeddings.shape, text
-        if len(rows):  # some captions have no triplet this tiny vocabulary knows
-            scale = float(alone.embeddings.abs().max())
-            torch.testing.assert_close(rows, alone.embeddings, rtol=0, atol=1e-3 * scale,
-                                       msg=text)
-        assert np.array_equal(stored["detail"][first:end], alone.detail.numpy()), text
+        holds(stored, k, embed_sentences([text], embedder), text)  # some have no rows
     assert len(stored["rows"]) > len(texts)  # most captions have several
 
 
