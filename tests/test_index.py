@@ -318,9 +318,12 @@ def test_read_ahead_asks_for_the_keys_then_the_rows_while_they_fit(
     assert searched.read_ahead() == keys
     assert asked == [(*extent, os.POSIX_FADV_WILLNEED) for extent in extents[:2]]
     gone = (folder_index / "replaced.safetensors", 0, 1)  # a file removed since: a warning
+    empty = (extents[0][0], 0, 0)  # an empty array: no call (0 bytes would mean the whole file)
+    asked.clear()
     with caplog.at_level(logging.WARNING, logger="trainer.search.index"):
-        assert index.prefetch([extents[0], gone, extents[1]]) == keys
+        assert index.prefetch([extents[0], gone, empty, extents[1]]) == keys
     assert "replaced.safetensors cannot be read ahead" in caplog.text
+    assert asked == [(*extent, os.POSIX_FADV_WILLNEED) for extent in extents[:2]]
 
 
 @pytest.mark.parametrize("sq8_from,kind", [(10**9, "IndexIVFFlat"),
