@@ -38,11 +38,14 @@ from defrag.files import CHECKSUMS
 from tests import DEFRAG
 from tests.search_world import SearchWorld, search_world, serving
 from tests.test_images import png_header
+from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import IndexMismatch, SearchIndex
 
 pytestmark = pytest.mark.slow
 UPLOAD_LIMIT = 64 * 1024  # the fixture server's --max-upload-mb: small, so a huge upload is cheap
 STATIC = Path(serve.__file__).parent / "static"
+UPLOADS = ["/api/sentences", "/api/fragments"]  # an image searched with, and (a split front's
+# request to a part) only embedded: the same limits and refusals
 
 
 @pytest.fixture(scope="module")
@@ -211,12 +214,14 @@ def test_a_bad_query_gets_one_clear_line(url: str, path: str, params: dict, stat
     (b"\x89PNG", "text/plain", 415, "(got 'text/plain')"),
     (b"x" * (UPLOAD_LIMIT + 1), "image/png", 413, "over the limit of 0.0625 MiB"),
 ], ids=["not-an-image", "truncated-gif", "gif", "empty", "no-type", "text", "over-limit"])
+@pytest.mark.parametrize("path", UPLOADS)
 def test_a_bad_upload_gets_one_clear_line(world: SearchWorld, url: str, body: bytes | str,
-                                          kind: str, status: int, message: str) -> None:
+                                          kind: str, status: int, message: str,
+                                          path: str) -> None:
     if body == "gif":
         body = encoded(world.photos / world.expected, "GIF")
     headers = {"Content-Type": kind} if kind else {}
-    code, answer = raw(url, "POST", "/api/sentences", body, headers)
+    code, answer = raw(url, "POST", path, body, headers)
     assert code == status and message in answer.decode(), answer
     assert requests.get(f"{url}/api/info").status_code == 200
 
@@ -225,11 +230,12 @@ def test_a_bad_upload_gets_one_clear_line(world: SearchWorld, url: str, body: by
     (7000, 7000, "49"),
     (14000, 13000, "182"),  # over PIL's own guard too (179 Mpx: DecompressionBombError)
 ])
+@pytest.mark.parametrize("path", UPLOADS)
 def test_an_image_over_the_pixel_bound_answers_413(url: str, width: int, height: int,
-                                                   megapixels: str) -> None:
+                                                   megapixels: str, path: str) -> None:
     """A PNG over the 40 Mpx bound (its header alone: it cannot be decoded) is refused from its
     header, before decoding."""
-    code, answer = raw(url, "POST", "/api/sentences", png_header(width, height),
+    code, answer = raw(url, "POST", path, png_header(width, height),
                        {"Content-Type": "image/png"})
     assert code == 413 and json.loads(answer) == {"error": (
         f"unusable image: the uploaded file is {width} x {height} pixels ({megapixels} "
@@ -240,29 +246,33 @@ def test_an_image_over_the_pixel_bound_answers_413(url: str, width: int, height:
 
 def test_uploads_are_decoded_at_most_upload_slots_at_a_time(
         world: SearchWorld, index: SearchIndex, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four simultaneous uploads to a server with one slot are embedded one after another (each
-    kept busy 0.2 s, so they would overlap without the slot), and all are answered."""
-    embed, active, most, lock = index.sentences_for_file, 0, 0, threading.Lock()
+    """Four simultaneous uploads to a server with one slot, two searched with and two only
+    embedded (the split front's POST /api/fragments), are embedded one after another (each kept
+    busy 0.2 s, so they would overlap without the slot), and all are answered."""
+    embed, active, most, lock = index.embed_file, 0, 0, threading.Lock()
 
-    def counted(path: Path, k: int) -> list:
+    def counted(path: Path) -> FragmentSet:
         nonlocal active, most
         with lock:
             active += 1
             most = max(most, active)
         time.sleep(0.2)
         try:
-            return embed(path, k)
+            return embed(path)
         finally:
             with lock:
                 active -= 1
 
-    monkeypatch.setattr(index, "sentences_for_file", counted)
+    monkeypatch.setattr(index, "embed_file", counted)
     photo = (world.photos / world.expected).read_bytes()
     with serving(serve.create_app(index, UPLOAD_LIMIT, upload_slots=1)) as base, \
             ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda _: requests.post(
-            f"{base}/api/sentences", data=photo, headers={"Content-Type": "image/png"}), range(4)))
+        answers = list(pool.map(lambda path: requests.post(
+            f"{base}{path}", data=photo, headers={"Content-Type": "image/png"}),
+            ["/api/sentences", "/api/fragments"] * 2))
     assert [answer.status_code for answer in answers] == [200] * 4 and most == 1
+    own = embed(world.photos / world.expected).embeddings
+    assert answers[1].json()["fragments"] == own.tolist()
 
 
 def test_the_upload_threads_end_when_the_server_stops(world: SearchWorld,

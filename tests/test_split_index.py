@@ -91,8 +91,9 @@ def served(world: SearchWorld, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # the last part's URL with a password (a part behind a proxy's basic auth): never shown
     urls = [f"http://{f'front:{SECRET}@' if p == PARTS - 1 else ''}127.0.0.1:{port}"
             for p, port in enumerate(ports[:PARTS])]
+    # part 1 on two threads, whose CNN rounds an upload's rows otherwise than one thread's
     parts = [subprocess.Popen([DEFRAG, "serve", "--index", str(root / "split" / f"part-{p}"),
-                               "--port", str(ports[p]), "--workers", "1", "--threads", "1"],
+                               "--port", str(ports[p]), "--workers", "1", "--threads", str(p + 1)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for p in range(PARTS)]
     front, front_log = f"http://127.0.0.1:{ports[-1]}", root / "front.log"
@@ -104,7 +105,8 @@ def served(world: SearchWorld, tmp_path_factory: pytest.TempPathFactory) -> Iter
              for p in range(PARTS)]
     try:
         wait_for(f"{front}/api/info", parts[-1], front_log)
-        with serving(serve.create_app(SearchIndex.open(root / "whole"), 10 * 2**20)) as whole:
+        with one_thread(), serving(serve.create_app(SearchIndex.open(root / "whole"),
+                                                    10 * 2**20)) as whole:  # part 0's threads
             yield Served(world, whole, front, front_log, parts[:PARTS], urls,
                          [meta["images"] for meta in metas], [meta["sentences"] for meta in metas])
     finally:
@@ -242,10 +244,11 @@ def test_the_flags_of_a_front_and_of_a_split_build_are_checked(
 
 
 def without(served: Served, part: int, path: str, params: dict[str, str],
-            k: int) -> list[dict[str, Any]]:
+            k: int, **request: Any) -> list[dict[str, Any]]:
     """The one-part index's results but for the items of `part`, ranked again (an item's twin
     elsewhere, of the same text and score, stands in for it)."""
-    everything = ask(served.reference, path, params={**params, "k": 42}).json()["results"]
+    everything = ask(served.reference, path, params={**params, "k": 42},
+                     **request).json()["results"]
     gone, kept = Counter(served.images[part] + served.sentences[part]), []
     for hit in everything:
         item = hit.get("image") or hit["sentence"]
@@ -316,3 +319,13 @@ def test_a_part_killed_mid_query_is_named_at_once(served: Served) -> None:
         assert answer["results"] == without(served, 0, "/api/search", {"q": world.query}, 5)
         assert FIRST not in {hit["image"] for hit in answer["results"]}
     assert "timed out" not in after["missing_parts"][0]["error"]
+    # an upload: part 1 embeds it in part 0's stead (on its two threads: the last bits of the
+    # scores differ), its rows searched by part 1 alone
+    upload = {"data": (world.photos / world.expected).read_bytes(),
+              "headers": {"Content-Type": "image/png"}}
+    uploaded = ask(served.front, "/api/sentences", params={"k": 5}, **upload).json()
+    assert uploaded["exact"] is False and [m["part"] for m in uploaded["missing_parts"]] == [0]
+    expected = without(served, 0, "/api/sentences", {}, 5, **upload)
+    assert [hit["sentence"] for hit in uploaded["results"]] == [hit["sentence"] for hit in expected]
+    assert [hit["score"] for hit in uploaded["results"]] == pytest.approx(
+        [hit["score"] for hit in expected], rel=1e-5)

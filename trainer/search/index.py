@@ -714,8 +714,11 @@ class SearchIndex:
 
     def sentences_for_file(self, path: Path, k: int = 10, exact_scan: bool = False) -> Ranking:
         """The k best sentences of the index for a new image file (e.g. an upload)."""
-        image, _ = embed_images([path], self.embedder, skip_bad=False, progress=False)
-        return self.sentences_for_rows(image, k, exact_scan)
+        return self.sentences_for_rows(self.embed_file(path), k, exact_scan)
+
+    def embed_file(self, path: Path) -> FragmentSet:
+        """A new image file's fragments, as the model embeds it."""
+        return embed_images([path], self.embedder, skip_bad=False, progress=False)[0]
 
     def images_for_rows(self, query: FragmentSet, k: int = 10, exact_scan: bool = False,
                         budget_s: float | None = BUDGET_S) -> Ranking:

@@ -27,7 +27,7 @@ answers a 4xx with {"error": "one line"} (a busy server 503) and the server goes
 --parts serves a split index (defrag index --parts N) instead: each URL a `defrag serve --index
 INDEX/part-P`, in part order; this process answers the same API by asking them all
 (trainer/search/split.py). For it each part also answers /api/fragments (an indexed image's
-rows, sent to the parts that do not hold it).
+rows, sent to the parts that do not hold it; POST: an upload's rows, sent to every part).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UP
     _add_searches(app, index, max_upload_bytes)
     _add_upload_search(app, index, max_upload_bytes, slots)
     _add_explain(app, index)
-    _add_fragments(app, index, max_upload_bytes)
+    _add_fragments(app, index, max_upload_bytes, slots)
     _add_files(app, index)
     if "split" in index.meta:
         app.add_middleware(SplitHeader, label=split_label(index.meta["split"]))
@@ -208,13 +208,18 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
 
 
 def sentences_for_bytes(index: SearchIndex, body: bytearray, k: int) -> Ranking:
-    """The k best sentences for an upload's bytes, written to a temporary file for the model to
-    read (and deleted); an error names "the uploaded file", not that file."""
+    """The k best sentences for an upload's bytes (`embed_upload`)."""
+    return index.sentences_for_rows(embed_upload(index, body), k)
+
+
+def embed_upload(index: SearchIndex, body: bytearray) -> FragmentSet:
+    """An upload's fragments, its bytes written to a temporary file for the model to read (and
+    deleted); an error names "the uploaded file", not that file."""
     with tempfile.TemporaryDirectory(prefix="defrag-upload-") as folder:
         path = Path(folder) / "upload"
         path.write_bytes(body)
         try:
-            return index.sentences_for_file(path, k)
+            return index.embed_file(path)
         except RetrievalError as err:
             raise type(err)(str(err).replace(str(path), "the uploaded file")) from err
 
@@ -248,10 +253,11 @@ def _add_explain(app: FastAPI, index: SearchIndex) -> None:
         return Response(png, media_type="image/png")
 
 
-def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> None:
-    """An indexed image's fragments, and the sentences of the index for an image's fragments:
-    what the front of a split index (trainer/search/split.py) sends from the part that holds an
-    image to the others, so that each scores the rows the one-part index would (the front's
+def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
+                   slots: UploadSlots) -> None:
+    """An indexed or uploaded image's fragments, and the sentences of the index for an image's
+    fragments: what the front of a split index (trainer/search/split.py) sends from one part to
+    every part, so that each scores the same rows, those the one-part index would (the front's
     requests, left out of /openapi.json; docs/search-app.md lists them)."""
 
     @app.get("/api/fragments", summary="An indexed image's fragments",
@@ -262,6 +268,18 @@ def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> N
                   ) -> dict[str, Any]:
         rows = index.images.select([index.position_of(image)]).embeddings
         return {"image": image, "fragments": rows.tolist()}
+
+    @app.post("/api/fragments", summary="An uploaded image's fragments",
+              responses=_errors(400, 408, 413, 415, 503), include_in_schema=False,
+              description="The fragment embeddings of the uploaded image (float32 rows), with "
+                          "the limits of POST /api/sentences: what POST "
+                          "/api/fragments/sentences takes.")
+    async def fragments_of_upload(request: Request) -> dict[str, Any]:
+        refuse_by_headers(request, max_upload_bytes)
+        async with slots.taken():
+            body = await slots.body(request, max_upload_bytes)
+            image = await slots.run(embed_upload, index, body)
+        return {"image": None, "fragments": image.embeddings.tolist()}
 
     @app.post("/api/fragments/sentences", summary="Fragments -> best sentences",
               responses=_errors(400, 413, 422), include_in_schema=False,

@@ -13,8 +13,11 @@ answer of a part names its split and part (SPLIT_HEADER): one that names another
 checked at its start (the part's server restarted on another index) is a missing part too.
 
 An indexed image's sentences: the part that holds it sends its fragments (GET /api/fragments),
-which every part searches with (POST /api/fragments/sentences); an uploaded image is sent to
-every part; /images and /api/explain go to the image's part. The front keeps the parts' /api/info,
+which every part searches with (POST /api/fragments/sentences); an uploaded image likewise,
+embedded by the first part that answers (POST /api/fragments): every part scores the same rows,
+which parts embedding it each would round differently on other thread counts or CPUs (ties
+across parts broken, a ranking of no one query); /images and /api/explain go to the image's
+part. The front keeps the parts' /api/info,
 one connection pool, and the part of the last OWNERS image names it saw.
 """
 
@@ -240,6 +243,25 @@ class PartClient:
         self.remember(name, found.part.number)
         return found.part, found.body["fragments"]
 
+    async def embedded(self, body: bytes, media: str) -> list[list[float]]:
+        """An uploaded image's fragments from the first part, in part order, that embeds it (a
+        missing part is logged and the next asked); a part's refusal of the image is the
+        answer (every part would refuse it); HTTPException when no part answered."""
+        heard = []
+        for part in self.parts:
+            answer = await self.ask(part, "POST", "/api/fragments", content=body,
+                                    headers={"content-type": media})
+            if answer.ok and not (isinstance(answer.body, dict)
+                                  and isinstance(answer.body.get("fragments"), list)):
+                answer.error = f"answered HTTP {answer.status}, not /api/fragments' answer"
+            if answer.ok:
+                self.report(heard, "POST /api/fragments")
+                return answer.body["fragments"]
+            heard.append(answer)
+            if answer.refused:
+                break
+        raise self.refusal(heard[-1:] if heard[-1].refused else heard, "POST /api/fragments")
+
     async def at_owner(self, name: str, path: str, params: dict[str, str]) -> Response:
         """GET `path` of the part that holds the indexed image `name`, its answer passed on."""
         part, _ = await self.fragments_of(name)
@@ -338,8 +360,8 @@ class PartClient:
 
     def _add_upload_search(self, app: FastAPI, max_upload_bytes: int,
                            slots: UploadSlots) -> None:
-        """POST /api/sentences: the upload read in one of the `slots`, then sent to every
-        part (each embeds it), the answers merged."""
+        """POST /api/sentences: the upload read in one of the `slots` and embedded by one part
+        (`embedded`), its fragments searched by every part, the answers merged."""
 
         @app.post("/api/sentences", summary="Uploaded image -> best sentences (every part)")
         async def sentences_for_upload(
@@ -349,10 +371,10 @@ class PartClient:
             refuse_by_headers(request, max_upload_bytes)
             async with slots.taken():
                 body = bytes(await slots.body(request, max_upload_bytes))
-                answers = await self.ask_all(
-                    "POST", "/api/sentences", params={"k": k}, content=body,
-                    headers={"content-type": request.headers["content-type"]})
-            proof, hits = self.merged(answers, k, "POST /api/sentences")
+                rows = await self.embedded(body, request.headers["content-type"])
+            proof, hits = self.merged(await self.ask_all(
+                "POST", "/api/fragments/sentences", params={"k": k}, json={"fragments": rows}),
+                k, "POST /api/sentences")
             return {"image": None, "bytes": len(body), **proof, "results": sentences(hits)}
 
     def _add_at_owner(self, app: FastAPI) -> None:
