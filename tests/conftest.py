@@ -37,6 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PYTEST_DEBUG_TEMPROOT"] = str(MEMORY_TEMPROOT)
 
 
+@pytest.fixture(autouse=True)
+def kept_threads() -> Iterator[None]:
+    """Each test leaves torch's and faiss' thread counts as it found them: a command run in the
+    test process (`serve.main` sets its CPUs' worth, as a server should) once left 2 threads to
+    every later test, whose CNN then rounded an upload's rows otherwise than a 1-thread part's."""
+    import faiss
+    import torch
+
+    threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    yield
+    torch.set_num_threads(threads)
+    faiss.omp_set_num_threads(faiss_threads)
+
+
 def synthetic_shards(root: Path, num_train: int, num_val: int, shard_size: int) -> Path:
     """`defrag featurize synthetic` of that many scenes (seed 0) into `root`."""
     jsonl = generate(root / "source", num_train, num_val, seed=0)

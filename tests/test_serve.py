@@ -476,14 +476,10 @@ def test_one_worker_takes_every_cpu_unless_told(world: SearchWorld,
     """One worker runs CPUs / 1 torch threads; --threads sets them (one is faster on a busy
     machine, where a second thread waits for a core at each parallel step)."""
     monkeypatch.setattr(serve.uvicorn, "run", lambda app, host, port: None)
-    threads = torch.get_num_threads()
-    try:
-        serve.main(["--index", str(world.index), "--workers", "1"])
-        assert torch.get_num_threads() == serve.available_cpus()
-        serve.main(["--index", str(world.index), "--workers", "1", "--threads", "1"])
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
+    serve.main(["--index", str(world.index), "--workers", "1"])
+    assert torch.get_num_threads() == serve.available_cpus()
+    serve.main(["--index", str(world.index), "--workers", "1", "--threads", "1"])
+    assert torch.get_num_threads() == 1  # restored after the test (conftest's kept_threads)
     with pytest.raises(SystemExit):
         serve.main(["--index", str(world.index), "--threads", "0"])
 
@@ -627,18 +623,14 @@ def test_a_worker_opens_its_index_with_its_share_of_threads(world: SearchWorld,
     """A worker's app (what uvicorn's factory builds in each process) serves the index of its
     settings with their torch threads; an index it cannot open is one error line and uvicorn's
     start-up failure status, which stops the server instead of restarting the worker forever."""
-    threads = torch.get_num_threads()
     settings = serve.WorkerSettings(index=str(world.index), model=None,
                                     max_upload_bytes=UPLOAD_LIMIT, max_image_pixels=4000,
                                     upload_slots=1, threads=1)
     monkeypatch.setenv(serve.SETTINGS_VARIABLE, settings.to_json())
     monkeypatch.setenv(serve.SUPERVISOR_VARIABLE, str(os.getppid()))
-    try:
-        with serving(serve.app_from_env()) as base:
-            info = requests.get(f"{base}/api/info").json()
-            assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
+    with serving(serve.app_from_env()) as base:
+        info = requests.get(f"{base}/api/info").json()
+        assert torch.get_num_threads() == 1
     assert (info["max_upload_bytes"], info["max_image_pixels"]) == (UPLOAD_LIMIT, 4000)
     monkeypatch.setenv(serve.SETTINGS_VARIABLE, dataclasses.replace(
         settings, index=str(world.photos)).to_json())
