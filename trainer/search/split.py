@@ -17,8 +17,8 @@ which every part searches with (POST /api/fragments/sentences); an uploaded imag
 embedded by the first part that answers (POST /api/fragments): every part scores the same rows,
 which parts embedding it each would round differently on other thread counts or CPUs (ties
 across parts broken, a ranking of no one query); /images and /api/explain go to the image's
-part. The front keeps the parts' /api/info,
-one connection pool, and the part of the last OWNERS image names it saw.
+part. The front keeps the parts' /api/info, one connection pool, and the part of the last OWNERS
+image names it saw.
 """
 
 from __future__ import annotations
