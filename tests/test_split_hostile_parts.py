@@ -31,12 +31,14 @@ MIB = 2**20
 HUGE = 128 * MIB  # part 1's answer of a search in test_a_part_s_huge_answer_is_not_held_whole
 GOOD = {"query": "q", "exact": True, "gap": 0.0, "scored": 1, "results": [
     {"rank": 1, "image": "a.png", "score": 1.5, "url": "/images/a.png"}]}
+ROWS = {"image": None, "fragments": [[0.25, 0.5]]}  # an upload's fragments (POST /api/fragments)
 
 
 class Part(BaseHTTPRequestHandler):
     """Part `server.number` of a two-part split: its /api/info, and for a search
-    `server.search()`: (status, content type, body length, body chunks); every answer with
-    the split header `server.label(path)`."""
+    `server.search()`: (status, content type, body length, body chunks), for an upload's
+    fragments (POST /api/fragments) `server.embed()`; every answer with the split header
+    `server.label(path)`. The POSTs' paths and bodies are kept in `server.posted`."""
 
     def do_GET(self) -> None:
         self.server.seen.append(self.path)
@@ -47,6 +49,12 @@ class Part(BaseHTTPRequestHandler):
                 "split": {"id": self.server.split_id, "part": self.server.number, "parts": 2}}))
         else:
             self.answer(*self.server.search())
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.posted.append((self.path, body))
+        self.answer(*(self.server.embed() if self.path == "/api/fragments"
+                      else self.server.search()))
 
     def answer(self, status: int, media: str, size: int, chunks: Iterator[bytes]) -> None:
         self.send_response(status)
@@ -83,8 +91,9 @@ def fake_parts(*split_ids: str) -> list[ThreadingHTTPServer]:
     parts = []
     for number, split_id in enumerate(split_ids):
         server = ThreadingHTTPServer(("127.0.0.1", 0), Part)
-        server.number, server.split_id, server.seen = number, split_id, []
+        server.number, server.split_id, server.seen, server.posted = number, split_id, [], []
         server.search = lambda: answering(200, "application/json", GOOD)
+        server.embed = lambda: answering(200, "application/json", ROWS)
         server.label = labelled(server)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         parts.append(server)
@@ -127,12 +136,15 @@ def good_parts(request: pytest.FixtureRequest) -> None:
     if "front" in request.fixturenames:
         for part in request.getfixturevalue("front")[2]:
             part.search = lambda: answering(200, "application/json", GOOD)
+            part.embed = lambda: answering(200, "application/json", ROWS)
             part.label = labelled(part)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("media, body", [("text/html", b"<html>Sign in</html>"),
-                                         ("application/json", b'{"detail": "Not Found"}')])
+@pytest.mark.parametrize("media, body", [
+    ("text/html", b"<html>Sign in</html>"), ("application/json", b'{"detail": "Not Found"}'),
+    ("application/json", json.dumps({**GOOD, "results": [{"rank": 1, "score": 9.0}]}).encode()),
+], ids=["page", "other-json", "hit-without-image"])
 def test_a_part_s_answer_that_is_not_a_search_names_it_missing(front, media: str,
                                                                 body: bytes) -> None:
     """A part's 200 that is not a search's answer (a login page, another API's JSON) is a
@@ -143,6 +155,28 @@ def test_a_part_s_answer_that_is_not_a_search_names_it_missing(front, media: str
     assert answer.status_code == 200, answer.text
     assert answer.json()["results"] == GOOD["results"] and answer.json()["exact"] is False
     assert [missing["part"] for missing in answer.json()["missing_parts"]] == [1]
+
+
+@pytest.mark.slow
+def test_an_upload_is_embedded_by_the_first_part_that_answers_its_fragments(front) -> None:
+    """An upload at the front: part 0 answers POST /api/fragments with a page (named in one
+    WARNING line), part 1 embeds it, and both parts search with part 1's rows."""
+    url, _, parts, log = front
+    parts[0].embed = lambda: answering(200, "text/html", b"<html>Sign in</html>")
+    found = {**GOOD, "results": [{"rank": 1, "sentence": "a dog", "score": 1.5}]}
+    for part in parts:
+        part.search = lambda: answering(200, "application/json", found)
+        part.posted.clear()
+    answer = requests.post(f"{url}/api/sentences", params={"k": 5}, data=b"\x89PNG",
+                           headers={"Content-Type": "image/png"}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["exact"] is True and answer.json()["missing_parts"] == []
+    assert [path for path, _ in parts[0].posted] == ["/api/fragments",
+                                                      "/api/fragments/sentences?k=5"]
+    for part in parts:
+        assert json.loads(part.posted[-1][1]) == {"fragments": ROWS["fragments"]}
+    assert ("POST /api/fragments answered without part 0 (http://127.0.0.1:"
+            in log.read_text())
 
 
 def peak_memory(process: subprocess.Popen) -> int:

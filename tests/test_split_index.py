@@ -206,6 +206,9 @@ def test_errors_files_and_explanations_are_the_one_part_index_s(served: Served) 
                                            "format": "json"})]:
         front, whole = both(served, path, params=params)
         assert front == whole, path
+    front, whole = both(served, "/api/sentences", data=b"not an image",
+                        headers={"Content-Type": "image/png"})  # refused by part 0
+    assert front == whole and "the uploaded file is not an image" in whole["error"]
     for name in (LAST, "nowhere.png"):
         front, whole = ask(served.front, f"/images/{name}"), ask(served.reference,
                                                                 f"/images/{name}")
@@ -329,3 +332,7 @@ def test_a_part_killed_mid_query_is_named_at_once(served: Served) -> None:
     assert [hit["sentence"] for hit in uploaded["results"]] == [hit["sentence"] for hit in expected]
     assert [hit["score"] for hit in uploaded["results"]] == pytest.approx(
         [hit["score"] for hit in expected], rel=1e-5)
+    # a bad upload: part 1's refusal, the one-part index's (not a 503 for part 0)
+    front, whole = both(served, "/api/sentences", data=b"not an image",
+                        headers={"Content-Type": "image/png"})
+    assert front == whole and "the uploaded file is not an image" in whole["error"]

@@ -19,10 +19,11 @@ CPUs / N torch and faiss threads (--threads). The parent opens the index once fi
 bad one stops the command in one line.
 
 Within a worker, the searches are plain `def`: FastAPI runs them in its thread pool, several at
-once; an upload runs in one of the worker's --upload-slots, taken before its body is read
-(UploadSlots). SearchIndex serialises its parser itself; the model only runs forward passes in
-eval mode, which torch allows from several threads, so no lock is taken here. Every bad input
-answers a 4xx with {"error": "one line"} (a busy server 503) and the server goes on.
+once; an upload is read and embedded in one of the worker's --upload-slots, taken before its
+body is read (UploadSlots), then searched as the others are. SearchIndex serialises its parser
+itself; the model only runs forward passes in eval mode, which torch allows from several
+threads, so no lock is taken here. Every bad input answers a 4xx with {"error": "one line"} (a
+busy server 503) and the server goes on.
 
 --parts serves a split index (defrag index --parts N) instead: each URL a `defrag serve --index
 INDEX/part-P`, in part order; this process answers the same API by asking them all
@@ -66,7 +67,7 @@ from uvicorn.supervisors import Multiprocess
 from defrag.cli import add_debug_flag, describe, one_line_errors
 from defrag.images import add_pixel_limit_flag
 from defrag.urls import redact
-from trainer.search.certificate import Hit, Ranking
+from trainer.search.certificate import Hit
 from trainer.search.embedder import RetrievalError
 from trainer.search.fragment_set import FragmentSet
 from trainer.search.index import MAX_QUERY_CHARS, SearchIndex
@@ -137,7 +138,7 @@ def create_app(index: SearchIndex, max_upload_bytes: int, upload_slots: int = UP
     _add_searches(app, index, max_upload_bytes)
     _add_upload_search(app, index, max_upload_bytes, slots)
     _add_explain(app, index)
-    _add_fragments(app, index, max_upload_bytes, slots)
+    _add_fragments(app, index, max_upload_bytes)
     _add_files(app, index)
     if "split" in index.meta:
         app.add_middleware(SplitHeader, label=split_label(index.meta["split"]))
@@ -184,7 +185,16 @@ def _add_searches(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> No
 
 def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
                        slots: UploadSlots) -> None:
-    """POST /api/sentences: an uploaded image -> sentences, in one of the upload `slots`."""
+    """POST /api/sentences: an uploaded image -> sentences; POST /api/fragments: its fragments
+    (what the front of a split index has one part embed for every part to search with). Each
+    upload is read and embedded in one of the upload `slots`."""
+
+    async def embedded(request: Request) -> tuple[int, FragmentSet]:
+        """The upload's size and fragments."""
+        refuse_by_headers(request, max_upload_bytes)
+        async with slots.taken():
+            body = await slots.body(request, max_upload_bytes)
+            return len(body), await slots.run(embed_upload, index, body)
 
     @app.post("/api/sentences", summary="Uploaded image -> best sentences",
               responses=_errors(400, 408, 413, 415, 422, 503),
@@ -199,17 +209,19 @@ def _add_upload_search(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
             request: Request,
             k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
     ) -> dict[str, Any]:
-        refuse_by_headers(request, max_upload_bytes)
-        async with slots.taken():
-            body = await slots.body(request, max_upload_bytes)
-            found = await slots.run(sentences_for_bytes, index, body, k)
-        return {"image": None, "bytes": len(body), **found.proof(),
+        size, image = await embedded(request)
+        found = await run_in_threadpool(index.sentences_for_rows, image, k)
+        return {"image": None, "bytes": size, **found.proof(),
                 "results": sentence_results(found.hits)}
 
-
-def sentences_for_bytes(index: SearchIndex, body: bytearray, k: int) -> Ranking:
-    """The k best sentences for an upload's bytes (`embed_upload`)."""
-    return index.sentences_for_rows(embed_upload(index, body), k)
+    @app.post("/api/fragments", summary="An uploaded image's fragments",
+              responses=_errors(400, 408, 413, 415, 503), include_in_schema=False,
+              description="The fragment embeddings of the uploaded image (float32 rows), with "
+                          "the limits of POST /api/sentences: what POST "
+                          "/api/fragments/sentences takes.")
+    async def fragments_of_upload(request: Request) -> dict[str, Any]:
+        _, image = await embedded(request)
+        return {"image": None, "fragments": image.embeddings.tolist()}
 
 
 def embed_upload(index: SearchIndex, body: bytearray) -> FragmentSet:
@@ -253,12 +265,12 @@ def _add_explain(app: FastAPI, index: SearchIndex) -> None:
         return Response(png, media_type="image/png")
 
 
-def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
-                   slots: UploadSlots) -> None:
-    """An indexed or uploaded image's fragments, and the sentences of the index for an image's
-    fragments: what the front of a split index (trainer/search/split.py) sends from one part to
-    every part, so that each scores the same rows, those the one-part index would (the front's
-    requests, left out of /openapi.json; docs/search-app.md lists them)."""
+def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int) -> None:
+    """An indexed image's fragments, and the sentences of the index for an image's fragments:
+    what the front of a split index (trainer/search/split.py) sends from one part to every part
+    (an upload's fragments: `_add_upload_search`), so that each scores the same rows, those the
+    one-part index would (the front's requests, left out of /openapi.json; docs/search-app.md
+    lists them)."""
 
     @app.get("/api/fragments", summary="An indexed image's fragments",
              responses=_errors(400, 422), include_in_schema=False,
@@ -268,18 +280,6 @@ def _add_fragments(app: FastAPI, index: SearchIndex, max_upload_bytes: int,
                   ) -> dict[str, Any]:
         rows = index.images.select([index.position_of(image)]).embeddings
         return {"image": image, "fragments": rows.tolist()}
-
-    @app.post("/api/fragments", summary="An uploaded image's fragments",
-              responses=_errors(400, 408, 413, 415, 503), include_in_schema=False,
-              description="The fragment embeddings of the uploaded image (float32 rows), with "
-                          "the limits of POST /api/sentences: what POST "
-                          "/api/fragments/sentences takes.")
-    async def fragments_of_upload(request: Request) -> dict[str, Any]:
-        refuse_by_headers(request, max_upload_bytes)
-        async with slots.taken():
-            body = await slots.body(request, max_upload_bytes)
-            image = await slots.run(embed_upload, index, body)
-        return {"image": None, "fragments": image.embeddings.tolist()}
 
     @app.post("/api/fragments/sentences", summary="Fragments -> best sentences",
               responses=_errors(400, 413, 422), include_in_schema=False,

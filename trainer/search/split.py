@@ -200,13 +200,13 @@ class PartClient:
                 f"part {a.part.number} ({a.part.shown}): {a.error}" for a in missing))
         return [{"part": a.part.number, "url": a.part.shown, "error": a.error} for a in missing]
 
-    def merged(self, answers: list[Answer], k: int,
+    def merged(self, answers: list[Answer], k: int, item: Literal["image", "sentence"],
                asked: str) -> tuple[dict[str, Any], list[tuple[dict[str, Any], int]]]:
-        """The best k of the parts' results, each with its part (see the module doc), and
-        their proof: exact when every part answered an exact top k; `gap`, the highest bound
-        an inexact part left minus the k-th score; "missing_parts"."""
+        """The best k of the parts' results (each names its `item`), each with its part (see
+        the module doc), and their proof: exact when every part answered an exact top k; `gap`,
+        the highest bound an inexact part left minus the k-th score; "missing_parts"."""
         for answer in answers:
-            if answer.ok and not is_search(answer.body):
+            if answer.ok and not is_search(answer.body, item):
                 answer.error = f"answered HTTP {answer.status}, not a search's answer"
         answered = [answer for answer in answers if answer.ok]
         if not answered:
@@ -254,13 +254,23 @@ class PartClient:
             if answer.ok and not (isinstance(answer.body, dict)
                                   and isinstance(answer.body.get("fragments"), list)):
                 answer.error = f"answered HTTP {answer.status}, not /api/fragments' answer"
-            if answer.ok:
+            if answer.ok or answer.refused:  # the image embedded, or bad
                 self.report(heard, "POST /api/fragments")
+                if answer.refused:
+                    raise self.refusal([answer], "POST /api/fragments")
                 return answer.body["fragments"]
             heard.append(answer)
-            if answer.refused:
-                break
-        raise self.refusal(heard[-1:] if heard[-1].refused else heard, "POST /api/fragments")
+        raise self.refusal(heard, "POST /api/fragments")
+
+    async def sentences_for_rows(self, rows: list[list[float]], k: int,
+                                 asked: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Every part's k best sentences for an image's fragment rows, merged: the proof and
+        the results."""
+        proof, hits = self.merged(await self.ask_all(
+            "POST", "/api/fragments/sentences", params={"k": k}, json={"fragments": rows}),
+            k, "sentence", asked)
+        return proof, [{"rank": rank, "sentence": hit["sentence"], "score": hit["score"]}
+                       for rank, (hit, _) in enumerate(hits, 1)]
 
     async def at_owner(self, name: str, path: str, params: dict[str, str]) -> Response:
         """GET `path` of the part that holds the indexed image `name`, its answer passed on."""
@@ -339,7 +349,7 @@ class PartClient:
                          k: int = Query(10, ge=1, le=MAX_K, description="how many images")
                          ) -> dict[str, Any]:
             proof, hits = self.merged(await self.ask_all(
-                "GET", "/api/search", params={"q": q, "k": k}), k, "/api/search")
+                "GET", "/api/search", params={"q": q, "k": k}), k, "image", "/api/search")
             for hit, number in hits:
                 self.remember(hit["image"], number)
             return {"query": q, **proof, "results": [
@@ -352,11 +362,8 @@ class PartClient:
                 k: int = Query(10, ge=1, le=MAX_K, description="how many sentences")
         ) -> dict[str, Any]:
             _, rows = await self.fragments_of(image)
-            proof, hits = self.merged(await self.ask_all(
-                "POST", "/api/fragments/sentences", params={"k": k}, json={"fragments": rows}),
-                k, "/api/sentences")
-            return {"image": image, "url": image_url(image), **proof,
-                    "results": sentences(hits)}
+            proof, results = await self.sentences_for_rows(rows, k, "/api/sentences")
+            return {"image": image, "url": image_url(image), **proof, "results": results}
 
     def _add_upload_search(self, app: FastAPI, max_upload_bytes: int,
                            slots: UploadSlots) -> None:
@@ -372,10 +379,8 @@ class PartClient:
             async with slots.taken():
                 body = bytes(await slots.body(request, max_upload_bytes))
                 rows = await self.embedded(body, request.headers["content-type"])
-            proof, hits = self.merged(await self.ask_all(
-                "POST", "/api/fragments/sentences", params={"k": k}, json={"fragments": rows}),
-                k, "POST /api/sentences")
-            return {"image": None, "bytes": len(body), **proof, "results": sentences(hits)}
+            proof, results = await self.sentences_for_rows(rows, k, "POST /api/sentences")
+            return {"image": None, "bytes": len(body), **proof, "results": results}
 
     def _add_at_owner(self, app: FastAPI) -> None:
         """/api/explain and /images/NAME from the image's part; the page."""
@@ -437,18 +442,13 @@ async def read_at_most(response: httpx.Response, limit: int) -> bytes | None:
     return bytes(content)
 
 
-def is_search(body: Any) -> bool:
+def is_search(body: Any, item: str) -> bool:
     """Whether a part's body is a search's answer (serve.py's): its fields of their types, each
-    result with a number as its score."""
+    result naming its `item` ("image" or "sentence") with a number as its score."""
     return (isinstance(body, dict)
             and all(isinstance(body.get(key), kind) for key, kind in SEARCH_FIELDS.items())
             and all(isinstance(hit, dict) and isinstance(hit.get("score"), (int, float))
-                    for hit in body["results"]))
-
-
-def sentences(hits: list[tuple[dict[str, Any], int]]) -> list[dict[str, Any]]:
-    return [{"rank": rank, "sentence": hit["sentence"], "score": hit["score"]}
-            for rank, (hit, _) in enumerate(hits, 1)]
+                    and isinstance(hit.get(item), str) for hit in body["results"]))
 
 
 def _info(url: str, wait: float) -> dict[str, Any]:
